@@ -1,0 +1,198 @@
+"""Concurrency quotas: the ``Concurrency`` declaration and its resolution at start.
+
+Resolution turns a declaration plus a run's input into a ``Quota``: a plain key
+string, an integer limit and the statuses to count. Admission (lock the key's
+row, count, insert) is done by the engine through the store, see
+``durable.runtime.core``.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+from asgiref.sync import async_to_sync
+
+from durable import exceptions
+from durable.status import ALL_STATUSES, DEFAULT_CONCURRENCY_STATUSES
+
+#: Longest key accepted; the tag ``concurrency:<key>`` must fit its column.
+MAX_KEY_LENGTH = 200
+TAG_PREFIX = "concurrency:"
+
+
+class Strategy(str, enum.Enum):
+    REJECT = "reject"
+    GROUP_ROUND_ROBIN = "group_round_robin"
+    CANCEL_IN_PROGRESS = "cancel_in_progress"
+    CANCEL_NEWEST = "cancel_newest"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: Strategies this release implements.
+SUPPORTED_STRATEGIES = frozenset({Strategy.REJECT})
+
+KeySpec = Union[str, Callable[[Any], "str | None"], None]
+LimitSpec = Union[int, Callable[[str], Any]]
+
+
+@dataclass(frozen=True)
+class Concurrency:
+    """A concurrency quota: at most ``limit`` runs of ``key`` in flight.
+
+    ``key`` is a string (per start) or a function of the input returning a string,
+    or ``None`` to leave that start unlimited. ``limit`` is an integer or a sync or
+    async function of the key returning one.
+    """
+
+    key: KeySpec = None
+    limit: LimitSpec = 1
+    count_statuses: Sequence[str] = DEFAULT_CONCURRENCY_STATUSES
+    strategy: Strategy = Strategy.REJECT
+    expression: str | None = None
+    max_queued: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.expression is not None:
+            raise exceptions.InvalidStartError(
+                "Concurrency(expression=...) (CEL keys) is not supported by this release; "
+                "pass key=<function of the input> instead."
+            )
+        if self.key is None or not (isinstance(self.key, str) or callable(self.key)):
+            raise exceptions.InvalidStartError(
+                f"Concurrency(key=...) must be a string or a function of the input, got {self.key!r}."
+            )
+        if isinstance(self.key, str):
+            _check_key(self.key)
+        if isinstance(self.limit, bool) or not (isinstance(self.limit, int) or callable(self.limit)):
+            raise exceptions.InvalidStartError(
+                f"Concurrency(limit=...) must be an int or a function of the key, got {self.limit!r}."
+            )
+        statuses = self.count_statuses
+        if isinstance(statuses, str) or not statuses or not set(statuses) <= ALL_STATUSES:
+            raise exceptions.InvalidStartError(
+                f"Concurrency(count_statuses=...) must be a non-empty list of run statuses "
+                f"among {sorted(ALL_STATUSES)}, got {statuses!r}."
+            )
+        object.__setattr__(self, "count_statuses", tuple(dict.fromkeys(statuses)))
+        try:
+            strategy = Strategy(self.strategy)
+        except ValueError:
+            raise exceptions.InvalidStartError(
+                f"Concurrency(strategy=...) must be a Strategy, got {self.strategy!r}."
+            ) from None
+        if strategy not in SUPPORTED_STRATEGIES:
+            raise exceptions.InvalidStartError(
+                f"Strategy {strategy.name} is not supported by this release; use Strategy.REJECT."
+            )
+        object.__setattr__(self, "strategy", strategy)
+        if self.max_queued is not None:
+            raise exceptions.InvalidStartError(
+                "Concurrency(max_queued=...) only applies to Strategy.GROUP_ROUND_ROBIN."
+            )
+
+
+@dataclass(frozen=True)
+class Quota:
+    """A resolved quota for one start."""
+
+    key: str
+    limit: int
+    count_statuses: tuple[str, ...]
+    strategy: Strategy
+
+    @property
+    def tag(self) -> str:
+        return TAG_PREFIX + self.key
+
+
+ConcurrencySpec = Union[Concurrency, Sequence[Concurrency], None]
+
+
+def normalize(spec: ConcurrencySpec) -> tuple[Concurrency, ...]:
+    """Accept one ``Concurrency``, a list of them, or ``None``."""
+    if spec is None:
+        return ()
+    if isinstance(spec, Concurrency):
+        return (spec,)
+    if isinstance(spec, (list, tuple)) and all(isinstance(c, Concurrency) for c in spec):
+        return tuple(spec)
+    raise exceptions.InvalidStartError(
+        f"concurrency must be a Concurrency or a list of them, got {spec!r}."
+    )
+
+
+def resolve(specs: Sequence[Concurrency], input: Any) -> list[Quota]:
+    """Compute the quotas of one start (user code runs here, before any lock is taken)."""
+    quotas: dict[str, Quota] = {}
+    for spec in specs:
+        key = _resolve_key(spec, input)
+        if key is None:
+            continue
+        limit = _resolve_limit(spec, key)
+        quota = Quota(key, limit, tuple(spec.count_statuses), Strategy(spec.strategy))
+        previous = quotas.get(key)
+        if previous is not None and previous.limit <= quota.limit:
+            continue
+        quotas[key] = quota
+    # A stable order: every starter locks keys in the same order, so several keys
+    # can never deadlock against each other.
+    return [quotas[k] for k in sorted(quotas)]
+
+
+def _resolve_key(spec: Concurrency, input: Any) -> str | None:
+    if isinstance(spec.key, str):
+        return spec.key
+    assert callable(spec.key)
+    try:
+        key = spec.key(input)
+    except Exception as exc:
+        raise exceptions.InvalidStartError(
+            f"The concurrency key function raised {type(exc).__name__}: {exc}. "
+            "Check that the input has the fields the key is built from.",
+        ) from exc
+    if key is None:
+        return None
+    if not isinstance(key, str):
+        raise exceptions.InvalidStartError(
+            f"The concurrency key function must return a string or None, got {key!r}."
+        )
+    _check_key(key)
+    return key
+
+
+def _check_key(key: str) -> None:
+    if not key or len(key) > MAX_KEY_LENGTH:
+        raise exceptions.InvalidStartError(
+            f"A concurrency key must be 1 to {MAX_KEY_LENGTH} characters long, got {key!r}."
+        )
+
+
+def _resolve_limit(spec: Concurrency, key: str) -> int:
+    limit: Any = spec.limit
+    if callable(limit):
+        try:
+            if inspect.iscoroutinefunction(limit):
+                limit = async_to_sync(limit)(key)
+            else:
+                limit = limit(key)
+                if inspect.isawaitable(limit):
+                    limit = async_to_sync(_await)(limit)
+        except Exception as exc:
+            raise exceptions.InvalidStartError(
+                f"The concurrency limit function raised {type(exc).__name__} for key {key!r}: {exc}.",
+            ) from exc
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise exceptions.InvalidStartError(
+            f"A concurrency limit must be an integer, got {limit!r} for key {key!r}."
+        )
+    return limit
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable

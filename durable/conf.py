@@ -1,0 +1,65 @@
+"""The one place that reads ``django.conf.settings`` for durable.
+
+Every option lives in the ``DURABLE`` dictionary of the project's settings::
+
+    DURABLE = {"STALE_AFTER": 60, "API_PERMISSION_CLASSES": [...]}
+
+``durable.conf.settings.STALE_AFTER`` reads through to that dictionary on every
+access, so ``override_settings(DURABLE=...)`` works in tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from django.conf import settings as django_settings
+
+
+@dataclass(frozen=True)
+class Defaults:
+    #: Namespace of the default engine's runs.
+    NAMESPACE: str = "default"
+    #: Fence the default engine's reads (and quota counts) to its namespace.
+    SCOPE_READS: bool = False
+    #: Celery queue the run tasks are sent to (None: Celery's default queue).
+    TASK_QUEUE: str | None = None
+    #: Seconds between two heartbeats of a running run.
+    HEARTBEAT_INTERVAL: float = 5.0
+    #: A running run whose last heartbeat is older than this many seconds is
+    #: considered orphaned (its worker died) and is taken over by the sweeper.
+    STALE_AFTER: float = 30.0
+    #: A pending run whose Celery message was sent this many seconds ago and
+    #: that no worker picked up is sent again by the sweeper.
+    REDISPATCH_AFTER: float = 60.0
+    #: Seconds between two sweeps (used by ``durable.tasks.beat_schedule()``).
+    SWEEP_INTERVAL: float = 15.0
+    #: How many times a run is started by a worker before it is marked ``dead``.
+    MAX_ATTEMPTS: int = 5
+    #: ``Retry-After`` seconds sent with a 429 (at least 1).
+    RETRY_AFTER: int = 1
+    #: Permission classes of the HTTP API (dotted paths).
+    API_PERMISSION_CLASSES: tuple[str, ...] = ("rest_framework.permissions.IsAuthenticated",)
+    #: Page size of ``GET runs/``.
+    API_PAGE_SIZE: int = 50
+
+
+class _Settings:
+    def __getattr__(self, name: str) -> Any:
+        if name not in _NAMES:
+            raise AttributeError(f"durable has no setting {name!r}")
+        user = getattr(django_settings, "DURABLE", {}) or {}
+        if name in user:
+            return user[name]
+        return getattr(_DEFAULTS, name)
+
+
+_DEFAULTS = Defaults()
+_NAMES = frozenset(f.name for f in fields(Defaults))
+settings = _Settings()
+
+
+def unknown_settings() -> list[str]:
+    """Keys of ``settings.DURABLE`` that durable does not know (see checks)."""
+    user = getattr(django_settings, "DURABLE", {}) or {}
+    return sorted(set(user) - _NAMES)

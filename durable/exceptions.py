@@ -1,0 +1,101 @@
+"""Every error durable raises. No Django or DRF import here.
+
+Each class carries a stable ``code`` (used in HTTP bodies) and its docstring is
+the default message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DurableError(Exception):
+    """A durable operation failed."""
+
+    code = "durable_error"
+
+    def __init__(self, message: str | None = None, **fields: Any) -> None:
+        for name, value in fields.items():
+            setattr(self, name, value)
+        self.fields = fields
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+class ConcurrencyLimitError(DurableError):
+    """The concurrency quota of this key is full: retry shortly."""
+
+    code = "concurrency_limit"
+
+    workflow: str
+    key: str
+    limit: int
+    active: int
+
+    def __init__(self, *, workflow: str, key: str, limit: int, active: int) -> None:
+        super().__init__(
+            f"Concurrency limit reached for key {key!r}: {active} of {limit} runs in flight "
+            f"(workflow {workflow!r}). Retry when one of them has finished.",
+            workflow=workflow,
+            key=key,
+            limit=limit,
+            active=active,
+        )
+
+
+class ConcurrencyQueueFullError(ConcurrencyLimitError):
+    """The queue of this concurrency key is full: retry shortly."""
+
+    code = "concurrency_queue_full"
+
+
+class InvalidStartError(DurableError, ValueError):
+    """The start was refused because its input or concurrency settings are invalid."""
+
+    code = "invalid_start"
+
+
+class UnknownWorkflowError(DurableError, LookupError):
+    """No workflow is registered under this name."""
+
+    code = "unknown_workflow"
+
+
+class RunNotFound(DurableError, LookupError):
+    """No run has this id."""
+
+    code = "run_not_found"
+
+
+class RunTerminalError(DurableError):
+    """The run has already finished; it cannot be changed any more."""
+
+    code = "run_terminal"
+
+
+class RunFailedError(DurableError):
+    """The run did not complete."""
+
+    code = "run_failed"
+
+
+class FatalError(Exception):
+    """Raise in a step to fail it at once: a FatalError is never retried."""
+
+
+class NonDeterminismError(DurableError):
+    """The workflow code no longer matches the run's journal."""
+
+    code = "non_determinism"
+
+
+class ChildWorkflowError(DurableError):
+    """A child workflow failed (or could not be started)."""
+
+    code = "child_failed"
+
+
+class RunCancelled(BaseException):
+    """Internal: the run was cancelled; unwinds the workflow at a step boundary.
+
+    A ``BaseException`` so that a workflow's ``except Exception`` does not swallow it.
+    """

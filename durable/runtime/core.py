@@ -1,0 +1,379 @@
+"""The engine: starting runs under their quotas, executing them, reading them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+from django.utils import timezone
+
+from durable import concurrency as _concurrency
+from durable import exceptions
+from durable.conf import settings
+from durable.runtime.context import WorkflowContext
+from durable.runtime.registry import Definition, Registry, WorkflowFn, default_registry
+from durable.status import ACTIVE_STATUSES, TERMINAL_STATUSES, RunStatus
+from durable.stores.base import RunExists, RunRecord, Store
+from durable.util import check_json, describe_error
+
+logger = logging.getLogger(__name__)
+
+#: ``dispatch(engine, run_id)``: hands a new or recovered run to whatever executes it.
+Dispatcher = Callable[["Engine", str], None]
+
+
+def celery_dispatch(engine: Engine, run_id: str) -> None:
+    """Send the run's id to a Celery worker once the current transaction commits."""
+    from durable import tasks
+
+    engine.store.on_commit(lambda: tasks.send_run(run_id))
+
+
+def inline_dispatch(engine: Engine, run_id: str) -> None:
+    """Execute the run right away in this thread (for tests and scripts)."""
+    engine.store.on_commit(lambda: engine.execute(run_id))
+
+
+class RunHandle:
+    """A reference to one run. ``status`` is as of the last read; ``refresh()`` reads again."""
+
+    def __init__(self, engine: Engine, record: RunRecord) -> None:
+        self._engine = engine
+        self._record = record
+
+    def __repr__(self) -> str:
+        return f"<RunHandle {self.workflow} {self.run_id} {self.status}>"
+
+    run_id = property(lambda self: self._record.run_id)
+    workflow = property(lambda self: self._record.workflow)
+    version = property(lambda self: self._record.version)
+    namespace = property(lambda self: self._record.namespace)
+    status = property(lambda self: self._record.status)
+    input = property(lambda self: self._record.input)
+    output = property(lambda self: self._record.output)
+    error = property(lambda self: self._record.error)
+    record = property(lambda self: self._record)
+
+    def refresh(self) -> RunHandle:
+        self._record = self._engine._load(self.run_id)
+        return self
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Wait for a terminal status; return the output or raise ``RunFailedError``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.01
+        while self.refresh().status not in TERMINAL_STATUSES:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"Run {self.run_id!r} is still {self.status} after {timeout}s.")
+            time.sleep(delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.25)
+        if self.status == RunStatus.COMPLETED:
+            return self.output
+        message = (self.error or {}).get("message", "") if isinstance(self.error, dict) else ""
+        raise exceptions.RunFailedError(
+            f"Run {self.run_id!r} ended {self.status}" + (f": {message}" if message else "."),
+            run_id=self.run_id,
+            status=self.status,
+            error=self.error,
+        )
+
+    def cancel(self) -> RunHandle:
+        self._record = self._engine.cancel(self.run_id)._record
+        return self
+
+
+class Engine:
+    """Starts, executes and reads runs.
+
+    ``store`` defaults to ``DjangoStore()``; ``dispatch`` to Celery (``inline_dispatch``
+    runs in the caller's thread). ``namespace`` and ``scope_reads`` default to the
+    ``NAMESPACE`` and ``SCOPE_READS`` settings.
+    """
+
+    def __init__(
+        self,
+        store: Store | None = None,
+        *,
+        namespace: str | None = None,
+        scope_reads: bool | None = None,
+        dispatch: Dispatcher = celery_dispatch,
+        registry: Registry | None = None,
+    ) -> None:
+        self._store = store
+        self._namespace = namespace
+        self._scope_reads = scope_reads
+        self.dispatch = dispatch
+        self.registry = registry or default_registry
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            from durable.stores.database import DjangoStore
+
+            self._store = DjangoStore()
+        return self._store
+
+    @property
+    def namespace(self) -> str:
+        return self._namespace if self._namespace is not None else settings.NAMESPACE
+
+    @property
+    def scope_reads(self) -> bool:
+        return self._scope_reads if self._scope_reads is not None else bool(settings.SCOPE_READS)
+
+    @property
+    def _read_namespace(self) -> str | None:
+        return self.namespace if self.scope_reads else None
+
+    # -- declaring -------------------------------------------------------------
+    def register(
+        self,
+        name: str,
+        version: str,
+        fn: WorkflowFn,
+        concurrency: _concurrency.ConcurrencySpec = None,
+    ) -> Definition:
+        """Register ``fn(ctx, input)`` as workflow ``name`` at ``version``."""
+        return self.registry.register(name, version, fn, concurrency)
+
+    # -- starting --------------------------------------------------------------
+    def start(
+        self,
+        name: str,
+        input: Any = None,
+        run_id: str | None = None,
+        concurrency: _concurrency.ConcurrencySpec = None,
+        *,
+        parent_run_id: str | None = None,
+    ) -> RunHandle:
+        """Create a run of workflow ``name`` under its quota and hand it to a worker.
+
+        Raises ``ConcurrencyLimitError`` (creating nothing) when a quota is full,
+        ``InvalidStartError`` for bad input, ``UnknownWorkflowError``.
+        """
+        definition = self.registry.current(name)
+        input = check_json(input, what="the workflow input")
+        if run_id is not None:
+            _check_run_id(run_id)
+            existing = self.store.get_run(run_id)
+            if existing is not None:
+                return RunHandle(self, existing)
+        specs = definition.concurrency if concurrency is None else _per_start(concurrency)
+        quotas = _concurrency.resolve(specs, input)
+        record = RunRecord(
+            run_id=run_id or uuid.uuid4().hex,
+            workflow=definition.name,
+            version=definition.version,
+            namespace=self.namespace,
+            status=RunStatus.PENDING,
+            input=input,
+            parent_run_id=parent_run_id,
+        )
+        try:
+            with self.store.admission(quotas):
+                self._check_room(definition.name, quotas)
+                self.store.create_run(record, [q.tag for q in quotas])
+        except RunExists:
+            # Another starter created the same explicit run id first.
+            return self.get_run(record.run_id)
+        self.dispatch(self, record.run_id)
+        record.tags = [q.tag for q in quotas]
+        return RunHandle(self, record)
+
+    def _check_room(self, workflow: str, quotas: Sequence[_concurrency.Quota]) -> None:
+        for quota in quotas:
+            active = self._count(quota.tag, quota.count_statuses)
+            if active >= quota.limit:
+                raise exceptions.ConcurrencyLimitError(
+                    workflow=workflow, key=quota.key, limit=quota.limit, active=active
+                )
+
+    def _count(self, tag: str, statuses: Sequence[str]) -> int:
+        count_runs = getattr(self.store, "count_runs", None)
+        if count_runs is not None:
+            return int(count_runs(tag=tag, statuses=statuses, namespace=self._read_namespace))
+        return len(self.store.list_runs(tag=tag, statuses=statuses, namespace=self._read_namespace))
+
+    # -- reading ---------------------------------------------------------------
+    def _load(self, run_id: str) -> RunRecord:
+        record = self.store.get_run(run_id)
+        if record is None or (self.scope_reads and record.namespace != self.namespace):
+            raise exceptions.RunNotFound(f"No run has the id {run_id!r}.", run_id=run_id)
+        return record
+
+    def get_run(self, run_id: str) -> RunHandle:
+        return RunHandle(self, self._load(run_id))
+
+    def list_runs(
+        self,
+        workflow: str | None = None,
+        tag: str | None = None,
+        statuses: Sequence[str] | None = None,
+    ) -> list[RunHandle]:
+        records = self.store.list_runs(
+            workflow=workflow, tag=tag, statuses=statuses, namespace=self._read_namespace
+        )
+        return [RunHandle(self, r) for r in records]
+
+    def count_runs(self, tag: str | None = None, statuses: Sequence[str] | None = None) -> int:
+        count_runs = getattr(self.store, "count_runs", None)
+        if count_runs is not None:
+            return int(count_runs(tag=tag, statuses=statuses, namespace=self._read_namespace))
+        return len(self.list_runs(tag=tag, statuses=statuses))
+
+    # -- changing --------------------------------------------------------------
+    def cancel(self, run_id: str) -> RunHandle:
+        """Cancel a run now: it frees its slot at once and stops at its next step boundary."""
+        record = self._load(run_id)
+        cancelled = self.store.transition(
+            run_id,
+            from_statuses=ACTIVE_STATUSES,
+            to=RunStatus.CANCELLED,
+            lease="",
+            finished_at=timezone.now(),
+        )
+        if not cancelled:
+            record = self._load(run_id)
+            raise exceptions.RunTerminalError(
+                f"Run {run_id!r} is already {record.status}; only unfinished runs can be cancelled.",
+                run_id=run_id,
+                status=record.status,
+            )
+        return self.get_run(run_id)
+
+    def retry(self, run_id: str, concurrency: _concurrency.ConcurrencySpec = None) -> RunHandle:
+        """Start a failed, dead or cancelled run again, under its quota.
+
+        Completed steps are kept; the failed step runs again.
+        """
+        record = self._load(run_id)
+        definition = self.registry.get(record.workflow, record.version)
+        specs = definition.concurrency if concurrency is None else _per_start(concurrency)
+        quotas = _concurrency.resolve(specs, record.input)
+        retryable = (RunStatus.FAILED, RunStatus.DEAD, RunStatus.CANCELLED)
+        with self.store.admission(quotas):
+            self._check_room(record.workflow, quotas)
+            if not self.store.retry(run_id, from_statuses=retryable):
+                raise exceptions.RunTerminalError(
+                    f"Run {run_id!r} is {record.status}; only failed, dead or cancelled runs can be retried.",
+                    run_id=run_id,
+                    status=record.status,
+                )
+        self.dispatch(self, run_id)
+        return self.get_run(run_id)
+
+    # -- executing ---------------------------------------------------------------
+    def execute(self, run_id: str) -> None:
+        """Execute (or resume) a run: what a Celery worker calls with a run id.
+
+        A delivery that finds the run owned by a live execution, or finished,
+        changes nothing.
+        """
+        lease = uuid.uuid4().hex
+        stale_before = timezone.now() - timedelta(seconds=float(settings.STALE_AFTER))
+        record = self.store.claim(run_id, lease=lease, worker=_worker_name(), stale_before=stale_before)
+        if record is None:
+            logger.debug("Run %s is not pending (or is owned by a live worker); nothing to do.", run_id)
+            return
+        if record.attempt > int(settings.MAX_ATTEMPTS):
+            self.store.finish(
+                run_id,
+                lease,
+                status=RunStatus.DEAD,
+                error={
+                    "type": "durable.dead",
+                    "message": f"Gave up after {record.attempt - 1} attempts: the worker kept dying.",
+                },
+            )
+            logger.error("Run %s is dead after %d attempts.", run_id, record.attempt - 1)
+            return
+        try:
+            definition = self.registry.get(record.workflow, record.version)
+        except exceptions.UnknownWorkflowError as exc:
+            self.store.finish(run_id, lease, status=RunStatus.FAILED, error=describe_error(exc))
+            return
+        ctx = WorkflowContext(self, record, lease, self.store.load_steps(run_id))
+        with self._heartbeat(run_id, lease):
+            try:
+                output = definition.fn(ctx, record.input)
+                output = check_json(output, what=f"the output of workflow {record.workflow!r}")
+            except exceptions.RunCancelled:
+                logger.info("Run %s stopped: it was cancelled.", run_id)
+                return
+            except Exception as exc:
+                logger.info("Run %s failed: %s", run_id, exc)
+                self.store.finish(run_id, lease, status=RunStatus.FAILED, error=describe_error(exc))
+                return
+        self.store.finish(run_id, lease, status=RunStatus.COMPLETED, output=output)
+
+    def ensure_running(self, run_id: str, lease: str) -> None:
+        """Raise ``RunCancelled`` when the run no longer belongs to this execution."""
+        record = self.store.get_run(run_id)
+        if record is None or record.status != RunStatus.RUNNING or record.lease != lease:
+            raise exceptions.RunCancelled(run_id)
+
+    @contextmanager
+    def _heartbeat(self, run_id: str, lease: str) -> Iterator[None]:
+        stop = threading.Event()
+        interval = float(settings.HEARTBEAT_INTERVAL)
+
+        def beat() -> None:
+            try:
+                while not stop.wait(interval):
+                    if not self.store.heartbeat(run_id, lease):
+                        return
+            except Exception:  # never let a heartbeat failure kill the worker
+                logger.exception("Heartbeat of run %s failed", run_id)
+            finally:
+                release = getattr(self.store, "release_thread", None)
+                if release is not None:
+                    release()
+
+        thread = threading.Thread(target=beat, name=f"durable-heartbeat-{run_id}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+    # -- recovery ------------------------------------------------------------------
+    def sweep(self) -> dict[str, list[str]]:
+        """Hand orphaned runs (dead worker) and undelivered runs (lost message) to workers again."""
+        now = timezone.now()
+        orphaned = self.store.orphaned_runs(now - timedelta(seconds=float(settings.STALE_AFTER)))
+        undelivered = self.store.undelivered_runs(now - timedelta(seconds=float(settings.REDISPATCH_AFTER)))
+        run_ids = orphaned + undelivered
+        if run_ids:
+            self.store.mark_dispatched(run_ids)
+            for run_id in run_ids:
+                self.dispatch(self, run_id)
+            logger.warning("Sweep re-dispatched %d orphaned and %d undelivered runs.", len(orphaned), len(undelivered))
+        return {"orphaned": orphaned, "undelivered": undelivered}
+
+
+def _per_start(spec: _concurrency.ConcurrencySpec) -> tuple[_concurrency.Concurrency, ...]:
+    specs = _concurrency.normalize(spec)
+    for c in specs:
+        if callable(c.key) or callable(c.limit):
+            raise exceptions.InvalidStartError(
+                "A per-start Concurrency takes a plain string key and an integer limit."
+            )
+    return specs
+
+
+def _check_run_id(run_id: Any) -> None:
+    if not isinstance(run_id, str) or not run_id or len(run_id) > 255:
+        raise exceptions.InvalidStartError(f"A run id must be a string of 1 to 255 characters, got {run_id!r}.")
+
+
+def _worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{threading.current_thread().name}"

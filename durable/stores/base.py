@@ -1,0 +1,106 @@
+"""The store protocol: everything the engine needs from persistence.
+
+``DjangoStore`` (the default) and ``InMemoryStore`` implement it. A custom store
+may leave out ``count_runs``: the engine then counts with ``len(list_runs(...))``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol, runtime_checkable
+
+from durable.concurrency import Quota
+
+
+class RunExists(Exception):
+    """Raised by ``create_run`` (or when leaving ``admission``) for a run id taken already."""
+
+
+@dataclass
+class RunRecord:
+    run_id: str
+    workflow: str
+    version: str
+    namespace: str
+    status: str
+    input: Any = None
+    output: Any = None
+    error: Any = None
+    attempt: int = 0
+    parent_run_id: str | None = None
+    lease: str = ""
+    worker: str = ""
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    heartbeat_at: datetime | None = None
+    dispatched_at: datetime | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    position: int
+    name: str
+    outcome: str  # "completed" | "failed"
+    output: Any = None
+    error: Any = None
+    attempts: int = 1
+    started_at: datetime | None = None
+
+
+@runtime_checkable
+class Store(Protocol):
+    # -- reads -------------------------------------------------------------
+    def get_run(self, run_id: str) -> RunRecord | None: ...
+
+    def list_runs(
+        self,
+        *,
+        workflow: str | None = None,
+        tag: str | None = None,
+        statuses: Sequence[str] | None = None,
+        namespace: str | None = None,
+    ) -> list[RunRecord]: ...
+
+    # -- admission ---------------------------------------------------------
+    def admission(self, quotas: Sequence[Quota]) -> AbstractContextManager[None]:
+        """One transaction holding the lock of every quota's key (in key order)."""
+        ...
+
+    def create_run(self, record: RunRecord, tags: Sequence[str]) -> None: ...
+
+    def on_commit(self, fn: Callable[[], None]) -> None: ...
+
+    # -- state changes (compare-and-set) -----------------------------------
+    def transition(
+        self, run_id: str, *, from_statuses: Sequence[str], to: str, **fields: Any
+    ) -> bool: ...
+
+    def claim(
+        self, run_id: str, *, lease: str, worker: str, stale_before: datetime
+    ) -> RunRecord | None: ...
+
+    def heartbeat(self, run_id: str, lease: str) -> bool: ...
+
+    def finish(
+        self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None
+    ) -> bool: ...
+
+    def retry(self, run_id: str, *, from_statuses: Sequence[str]) -> bool: ...
+
+    # -- journal -------------------------------------------------------------
+    def load_steps(self, run_id: str) -> list[StepEntry]: ...
+
+    def record_step(self, run_id: str, lease: str, step: StepEntry) -> bool: ...
+
+    # -- recovery ------------------------------------------------------------
+    def orphaned_runs(self, heartbeat_before: datetime) -> list[str]: ...
+
+    def undelivered_runs(self, dispatched_before: datetime) -> list[str]: ...
+
+    def mark_dispatched(self, run_ids: Sequence[str]) -> None: ...

@@ -1,0 +1,271 @@
+"""``DjangoStore``: the store on Django's ORM (PostgreSQL in production, SQLite embedded)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from django.db import IntegrityError, connections, transaction
+from django.db.models import F
+from django.db.models.functions import Coalesce
+from django.utils import timezone
+
+from durable.concurrency import Quota
+from durable.status import RunStatus
+from durable.stores.base import RunExists, RunRecord, StepEntry
+
+if TYPE_CHECKING:
+    from durable.models import WorkflowRun
+
+_RECORD_FIELDS = (
+    "run_id", "workflow", "version", "namespace", "status", "input", "output", "error",
+    "attempt", "lease", "worker", "created_at", "updated_at", "started_at", "finished_at",
+    "heartbeat_at", "dispatched_at",
+)  # fmt: skip
+
+
+def _models() -> Any:
+    # Imported lazily: the store is built before the app registry is ready.
+    from durable import models
+
+    return models
+
+
+class DjangoStore:
+    """Runs, tags, locks and the journal in the project's database.
+
+    ``using`` names the database alias (default ``"default"``).
+    """
+
+    def __init__(self, using: str = "default") -> None:
+        self.using = using
+
+    # -- reads -------------------------------------------------------------
+    def _runs(self) -> Any:
+        return _models().WorkflowRun.objects.using(self.using)
+
+    def get_run(self, run_id: str) -> RunRecord | None:
+        row = self._runs().filter(run_id=run_id).select_related("parent").first()
+        return None if row is None else to_record(row)
+
+    def list_runs(
+        self,
+        *,
+        workflow: str | None = None,
+        tag: str | None = None,
+        statuses: Sequence[str] | None = None,
+        namespace: str | None = None,
+    ) -> list[RunRecord]:
+        qs = self._runs().in_namespace(namespace).with_statuses(statuses).select_related("parent")
+        if workflow is not None:
+            qs = qs.filter(workflow=workflow)
+        if tag is not None:
+            qs = qs.with_tag(tag)
+        return [to_record(row) for row in qs]
+
+    def count_runs(
+        self,
+        *,
+        tag: str | None = None,
+        statuses: Sequence[str] | None = None,
+        namespace: str | None = None,
+    ) -> int:
+        if tag is None:
+            return int(self._runs().in_namespace(namespace).with_statuses(statuses).count())
+        qs = _models().RunTag.objects.using(self.using).counting(tag, statuses)
+        if namespace is not None:
+            qs = qs.filter(namespace=namespace)
+        return int(qs.count())
+
+    # -- admission ---------------------------------------------------------
+    @contextmanager
+    def admission(self, quotas: Sequence[Quota]) -> Iterator[None]:
+        try:
+            with transaction.atomic(using=self.using):
+                if quotas:
+                    self._lock(quotas)
+                yield
+        except IntegrityError as exc:
+            # The only unique value a start can collide on is the run id: two
+            # starters raced with the same explicit id.
+            raise RunExists(str(exc)) from exc
+
+    def _lock(self, quotas: Sequence[Quota]) -> None:
+        Lock = _models().ConcurrencyLock
+        by_key = {q.key: q for q in quotas}
+        keys = sorted(by_key)
+        locks = Lock.objects.using(self.using).select_for_update().filter(key__in=keys).order_by("key")
+        rows = {row.key: row for row in locks}
+        if len(rows) < len(keys):
+            # A row that does not exist locks nothing: create the missing ones
+            # race-free (ON CONFLICT DO NOTHING waits for a concurrent insert of
+            # the same key), then lock them all.
+            Lock.objects.using(self.using).bulk_create(
+                [Lock(key=k, limit=by_key[k].limit, count_statuses=list(by_key[k].count_statuses))
+                 for k in keys if k not in rows],
+                ignore_conflicts=True,
+            )  # fmt: skip
+            rows = {row.key: row for row in locks.all()}
+        for key, row in rows.items():
+            quota = by_key[key]
+            statuses = list(quota.count_statuses)
+            if row.limit != quota.limit or row.count_statuses != statuses:
+                Lock.objects.using(self.using).filter(key=key).update(
+                    limit=quota.limit, count_statuses=statuses
+                )
+
+    def create_run(self, record: RunRecord, tags: Sequence[str]) -> None:
+        models = _models()
+        parent_id = None
+        if record.parent_run_id:
+            parent_id = self._runs().filter(run_id=record.parent_run_id).values_list("pk", flat=True).first()
+        now = timezone.now()
+        run = self._runs().create(
+            run_id=record.run_id,
+            workflow=record.workflow,
+            version=record.version,
+            namespace=record.namespace,
+            status=record.status,
+            input=record.input,
+            parent_id=parent_id,
+            dispatched_at=now,
+        )
+        if tags:
+            models.RunTag.objects.using(self.using).bulk_create(
+                [models.RunTag(run=run, tag=t, status=record.status, namespace=record.namespace) for t in tags]
+            )
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        transaction.on_commit(fn, using=self.using)
+
+    # -- state changes -------------------------------------------------------
+    def _set_status(self, qs: Any, status: str, **fields: Any) -> bool:
+        """Compare-and-set: update the runs of ``qs`` and mirror the status on their tags."""
+        models = _models()
+        with transaction.atomic(using=self.using):
+            pks = list(qs.select_for_update().values_list("pk", flat=True))
+            if not pks:
+                return False
+            self._runs().filter(pk__in=pks).update(status=status, updated_at=timezone.now(), **fields)
+            models.RunTag.objects.using(self.using).filter(run_id__in=pks).update(status=status)
+        return True
+
+    def transition(
+        self, run_id: str, *, from_statuses: Sequence[str], to: str, **fields: Any
+    ) -> bool:
+        qs = self._runs().filter(run_id=run_id, status__in=list(from_statuses))
+        return self._set_status(qs, to, **fields)
+
+    def claim(
+        self, run_id: str, *, lease: str, worker: str, stale_before: datetime
+    ) -> RunRecord | None:
+        from django.db.models import Q
+
+        now = timezone.now()
+        qs = self._runs().filter(run_id=run_id).filter(
+            Q(status=RunStatus.PENDING) | Q(status=RunStatus.RUNNING, heartbeat_at__lt=stale_before)
+        )
+        claimed = self._set_status(
+            qs,
+            RunStatus.RUNNING,
+            lease=lease,
+            worker=worker,
+            attempt=F("attempt") + 1,
+            heartbeat_at=now,
+            started_at=Coalesce(F("started_at"), now),
+        )
+        return self.get_run(run_id) if claimed else None
+
+    def heartbeat(self, run_id: str, lease: str) -> bool:
+        return bool(
+            self._runs()
+            .filter(run_id=run_id, status=RunStatus.RUNNING, lease=lease)
+            .update(heartbeat_at=timezone.now())
+        )
+
+    def finish(
+        self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None
+    ) -> bool:
+        qs = self._runs().filter(run_id=run_id, status=RunStatus.RUNNING, lease=lease)
+        return self._set_status(
+            qs, status, output=output, error=error, lease="", finished_at=timezone.now()
+        )
+
+    def retry(self, run_id: str, *, from_statuses: Sequence[str]) -> bool:
+        models = _models()
+        with transaction.atomic(using=self.using):
+            qs = self._runs().filter(run_id=run_id, status__in=list(from_statuses))
+            done = self._set_status(
+                qs,
+                RunStatus.PENDING,
+                output=None,
+                error=None,
+                attempt=0,
+                lease="",
+                finished_at=None,
+                dispatched_at=timezone.now(),
+            )
+            if done:
+                models.StepRecord.objects.using(self.using).filter(
+                    run__run_id=run_id, outcome=models.StepRecord.Outcome.FAILED
+                ).delete()
+        return done
+
+    # -- journal -------------------------------------------------------------
+    def load_steps(self, run_id: str) -> list[StepEntry]:
+        rows = (
+            _models()
+            .StepRecord.objects.using(self.using)
+            .filter(run__run_id=run_id)
+            .order_by("position")
+            .values_list("position", "name", "outcome", "output", "error", "attempts", "started_at")
+        )
+        return [StepEntry(*row) for row in rows]
+
+    def record_step(self, run_id: str, lease: str, step: StepEntry) -> bool:
+        models = _models()
+        with transaction.atomic(using=self.using):
+            run = (
+                self._runs()
+                .select_for_update()
+                .filter(run_id=run_id, status=RunStatus.RUNNING, lease=lease)
+                .values_list("pk", flat=True)
+                .first()
+            )
+            if run is None:
+                return False
+            models.StepRecord.objects.using(self.using).create(
+                run_id=run,
+                position=step.position,
+                name=step.name,
+                outcome=step.outcome,
+                output=step.output,
+                error=step.error,
+                attempts=step.attempts,
+                started_at=step.started_at,
+            )
+            self._runs().filter(pk=run).update(heartbeat_at=timezone.now())
+        return True
+
+    # -- recovery ------------------------------------------------------------
+    def orphaned_runs(self, heartbeat_before: datetime) -> list[str]:
+        return list(self._runs().orphaned(heartbeat_before).values_list("run_id", flat=True)[:1000])
+
+    def undelivered_runs(self, dispatched_before: datetime) -> list[str]:
+        return list(self._runs().undelivered(dispatched_before).values_list("run_id", flat=True)[:1000])
+
+    def mark_dispatched(self, run_ids: Sequence[str]) -> None:
+        self._runs().filter(run_id__in=list(run_ids)).update(dispatched_at=timezone.now())
+
+    def release_thread(self) -> None:
+        """Close this thread's connection (called by helper threads when they end)."""
+        connections[self.using].close()
+
+
+def to_record(run: WorkflowRun) -> RunRecord:
+    record = RunRecord(**{name: getattr(run, name) for name in _RECORD_FIELDS})
+    if run.parent_id is not None:
+        record.parent_run_id = run.parent.run_id
+    return record

@@ -1,0 +1,216 @@
+"""``InMemoryStore``: the whole store in a dict, for tests and scripts.
+
+Thread-safe (one lock serialises admission and state changes) but not shared
+across processes.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from datetime import datetime
+from typing import Any
+
+from django.utils import timezone
+
+from durable.concurrency import Quota
+from durable.status import RunStatus
+from durable.stores.base import RunExists, RunRecord, StepEntry
+
+
+class InMemoryStore:
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._runs: dict[str, RunRecord] = {}
+        self._steps: dict[str, dict[int, StepEntry]] = {}
+        self.limits: dict[str, int] = {}
+
+    # -- reads -------------------------------------------------------------
+    def get_run(self, run_id: str) -> RunRecord | None:
+        with self._lock:
+            run = self._runs.get(run_id)
+            return None if run is None else copy.deepcopy(run)
+
+    def _select(
+        self,
+        workflow: str | None,
+        tag: str | None,
+        statuses: Sequence[str] | None,
+        namespace: str | None,
+    ) -> list[RunRecord]:
+        return [
+            run
+            for run in self._runs.values()
+            if (workflow is None or run.workflow == workflow)
+            and (tag is None or tag in run.tags)
+            and (statuses is None or run.status in statuses)
+            and (namespace is None or run.namespace == namespace)
+        ]
+
+    def list_runs(
+        self,
+        *,
+        workflow: str | None = None,
+        tag: str | None = None,
+        statuses: Sequence[str] | None = None,
+        namespace: str | None = None,
+    ) -> list[RunRecord]:
+        with self._lock:
+            runs = self._select(workflow, tag, statuses, namespace)
+            runs.sort(key=lambda r: r.created_at or timezone.now(), reverse=True)
+            return copy.deepcopy(runs)
+
+    def count_runs(
+        self,
+        *,
+        tag: str | None = None,
+        statuses: Sequence[str] | None = None,
+        namespace: str | None = None,
+    ) -> int:
+        with self._lock:
+            return len(self._select(None, tag, statuses, namespace))
+
+    # -- admission ---------------------------------------------------------
+    @contextmanager
+    def admission(self, quotas: Sequence[Quota]) -> Iterator[None]:
+        with self._lock:
+            for quota in quotas:
+                self.limits[quota.key] = quota.limit
+            yield
+
+    def create_run(self, record: RunRecord, tags: Sequence[str]) -> None:
+        with self._lock:
+            if record.run_id in self._runs:
+                raise RunExists(record.run_id)
+            now = timezone.now()
+            self._runs[record.run_id] = replace(
+                copy.deepcopy(record),
+                tags=list(tags),
+                created_at=now,
+                updated_at=now,
+                dispatched_at=now,
+            )
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        fn()
+
+    # -- state changes -------------------------------------------------------
+    def _update(self, run_id: str, check: Callable[[RunRecord], bool], **fields: Any) -> bool:
+        with self._lock:
+            run = self._runs.get(run_id)
+            if run is None or not check(run):
+                return False
+            for name, value in fields.items():
+                setattr(run, name, value)
+            run.updated_at = timezone.now()
+            return True
+
+    def transition(
+        self, run_id: str, *, from_statuses: Sequence[str], to: str, **fields: Any
+    ) -> bool:
+        return self._update(run_id, lambda r: r.status in from_statuses, status=to, **fields)
+
+    def claim(
+        self, run_id: str, *, lease: str, worker: str, stale_before: datetime
+    ) -> RunRecord | None:
+        with self._lock:
+            run = self._runs.get(run_id)
+            if run is None:
+                return None
+            stale = run.status == RunStatus.RUNNING and (
+                run.heartbeat_at is None or run.heartbeat_at < stale_before
+            )
+            if run.status != RunStatus.PENDING and not stale:
+                return None
+            now = timezone.now()
+            run.status, run.lease, run.worker = RunStatus.RUNNING, lease, worker
+            run.attempt += 1
+            run.heartbeat_at = now
+            run.started_at = run.started_at or now
+            run.updated_at = now
+            return copy.deepcopy(run)
+
+    def _owned(self, lease: str) -> Callable[[RunRecord], bool]:
+        return lambda r: r.status == RunStatus.RUNNING and r.lease == lease
+
+    def heartbeat(self, run_id: str, lease: str) -> bool:
+        return self._update(run_id, self._owned(lease), heartbeat_at=timezone.now())
+
+    def finish(
+        self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None
+    ) -> bool:
+        return self._update(
+            run_id,
+            self._owned(lease),
+            status=status,
+            output=copy.deepcopy(output),
+            error=error,
+            lease="",
+            finished_at=timezone.now(),
+        )
+
+    def retry(self, run_id: str, *, from_statuses: Sequence[str]) -> bool:
+        with self._lock:
+            done = self._update(
+                run_id,
+                lambda r: r.status in from_statuses,
+                status=RunStatus.PENDING,
+                output=None,
+                error=None,
+                attempt=0,
+                lease="",
+                finished_at=None,
+                dispatched_at=timezone.now(),
+            )
+            if done:
+                steps = self._steps.get(run_id, {})
+                for position in [p for p, s in steps.items() if s.outcome == "failed"]:
+                    del steps[position]
+            return done
+
+    # -- journal -------------------------------------------------------------
+    def load_steps(self, run_id: str) -> list[StepEntry]:
+        with self._lock:
+            return [s for _, s in sorted(self._steps.get(run_id, {}).items())]
+
+    def record_step(self, run_id: str, lease: str, step: StepEntry) -> bool:
+        with self._lock:
+            run = self._runs.get(run_id)
+            if run is None or not self._owned(lease)(run):
+                return False
+            steps = self._steps.setdefault(run_id, {})
+            if step.position in steps:
+                raise ValueError(f"step {step.position} of run {run_id} is recorded already")
+            steps[step.position] = copy.deepcopy(step)
+            run.heartbeat_at = timezone.now()
+            return True
+
+    # -- recovery ------------------------------------------------------------
+    def orphaned_runs(self, heartbeat_before: datetime) -> list[str]:
+        with self._lock:
+            return [
+                r.run_id
+                for r in self._runs.values()
+                if r.status == RunStatus.RUNNING
+                and r.heartbeat_at is not None
+                and r.heartbeat_at < heartbeat_before
+            ]
+
+    def undelivered_runs(self, dispatched_before: datetime) -> list[str]:
+        with self._lock:
+            return [
+                r.run_id
+                for r in self._runs.values()
+                if r.status == RunStatus.PENDING
+                and r.dispatched_at is not None
+                and r.dispatched_at < dispatched_before
+            ]
+
+    def mark_dispatched(self, run_ids: Sequence[str]) -> None:
+        with self._lock:
+            for run_id in run_ids:
+                if run_id in self._runs:
+                    self._runs[run_id].dispatched_at = timezone.now()

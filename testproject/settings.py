@@ -1,0 +1,106 @@
+"""Settings of the test project.
+
+Embedded default: SQLite and an in-process Celery worker (memory transport), no
+services needed. Set ``DATABASE_URL`` (postgres://...) and ``CELERY_BROKER_URL``
+(redis://...) to run on PostgreSQL and Redis.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "insecure-testproject-key-do-not-use-in-production")
+DEBUG = os.environ.get("DJANGO_DEBUG", "1") == "1"
+ALLOWED_HOSTS = ["127.0.0.1", "localhost", "testserver"]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_celery_beat",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "durable",
+    "testproject.chat",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+ROOT_URLCONF = "testproject.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+WSGI_APPLICATION = "testproject.wsgi.application"
+
+_sqlite = {
+    "ENGINE": "django.db.backends.sqlite3",
+    "NAME": os.environ.get("SQLITE_PATH", str(BASE_DIR / "db.sqlite3")),
+    # IMMEDIATE: every transaction takes SQLite's write lock at BEGIN, so the
+    # quota's count-then-insert is serialised exactly as on PostgreSQL.
+    "OPTIONS": {"transaction_mode": "IMMEDIATE", "timeout": 30},
+    "TEST": {"NAME": os.environ.get("SQLITE_TEST_PATH", str(BASE_DIR / "test-db.sqlite3"))},
+}
+DATABASES = {
+    "default": dj_database_url.config(conn_max_age=0) if os.environ.get("DATABASE_URL") else _sqlite
+}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+USE_TZ = True
+TIME_ZONE = "UTC"
+STATIC_URL = "static/"
+
+REST_FRAMEWORK = {
+    "EXCEPTION_HANDLER": "durable.api.exception_handler",
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+        "rest_framework.authentication.BasicAuthentication",
+    ],
+}
+
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "memory://")
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
+DURABLE = {
+    key: float(os.environ[f"DURABLE_{key}"])
+    for key in ("HEARTBEAT_INTERVAL", "STALE_AFTER", "REDISPATCH_AFTER", "SWEEP_INTERVAL")
+    if os.environ.get(f"DURABLE_{key}")
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {"durable": {"handlers": ["console"], "level": os.environ.get("DURABLE_LOG_LEVEL", "WARNING")}},
+}
