@@ -40,6 +40,10 @@ class Defaults:
     RETRY_AFTER: int = 1
     #: Permission classes of the HTTP API (dotted paths).
     API_PERMISSION_CLASSES: tuple[str, ...] = ("rest_framework.permissions.IsAuthenticated",)
+    #: Dotted path of ``fn(request) -> str``: the namespace an API request is fenced
+    #: to (its runs are created there, and it reads and counts only that namespace).
+    #: None: no fencing, every authenticated user sees every run.
+    API_NAMESPACE: str | None = None
     #: Page size of ``GET runs/``.
     API_PAGE_SIZE: int = 50
 

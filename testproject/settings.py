@@ -68,6 +68,9 @@ _sqlite = {
 DATABASES = {
     "default": dj_database_url.config(conn_max_age=0) if os.environ.get("DATABASE_URL") else _sqlite
 }
+if os.environ.get("DURABLE_TEST_DB"):
+    # Lets several test runs share one PostgreSQL server without sharing a database.
+    DATABASES["default"]["TEST"] = {"NAME": os.environ["DURABLE_TEST_DB"]}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 USE_TZ = True

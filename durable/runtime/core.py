@@ -45,9 +45,12 @@ def inline_dispatch(engine: Engine, run_id: str) -> None:
 class RunHandle:
     """A reference to one run. ``status`` is as of the last read; ``refresh()`` reads again."""
 
-    def __init__(self, engine: Engine, record: RunRecord) -> None:
+    def __init__(self, engine: Engine, record: RunRecord, *, created: bool = False) -> None:
         self._engine = engine
         self._record = record
+        #: True when the call that returned this handle created the run (False for an
+        #: idempotent re-start of an existing run id, or a read).
+        self.created = created
 
     def __repr__(self) -> str:
         return f"<RunHandle {self.workflow} {self.run_id} {self.status}>"
@@ -186,7 +189,7 @@ class Engine:
             return self.get_run(record.run_id)
         self.dispatch(self, record.run_id)
         record.tags = [q.tag for q in quotas]
-        return RunHandle(self, record)
+        return RunHandle(self, record, created=True)
 
     def _check_room(self, workflow: str, quotas: Sequence[_concurrency.Quota]) -> None:
         for quota in quotas:

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from celery.contrib.testing.worker import start_worker
+from django.db import connection
+
+from testproject.celery import app as celery_app
+from tests import workflows  # noqa: F401  (registers the test workflows)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from django.conf import settings
+
+    if settings.DATABASES["default"]["ENGINE"].endswith("postgresql"):
+        return
+    skip = pytest.mark.skip(reason="needs PostgreSQL: set DATABASE_URL")
+    for item in items:
+        if "postgres" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def celery_worker(django_db_setup: None, django_db_blocker) -> Iterator[object]:
+    """A real Celery worker (thread pool) in this process, consuming the test broker."""
+    celery_app.control.purge()
+    with start_worker(
+        celery_app,
+        pool="threads",
+        concurrency=4,
+        perform_ping_check=False,
+        shutdown_timeout=30,
+        loglevel="WARNING",
+    ) as worker:
+        yield worker
+
+
+@pytest.fixture
+def pg() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("needs PostgreSQL")
+
+
+@pytest.fixture(autouse=True)
+def _fast_recovery(settings) -> None:
+    settings.DURABLE = {
+        **getattr(settings, "DURABLE", {}),
+        "HEARTBEAT_INTERVAL": 0.2,
+        "STALE_AFTER": 2.0,
+        "REDISPATCH_AFTER": 2.0,
+    }
