@@ -41,3 +41,37 @@ class FatalWorkflow(DurableWorkflow):
             raise FatalError("no retry for this")
 
         return ctx.step("boom", boom, retries=5, backoff=0)
+
+
+def _log(path: str, line: str) -> None:
+    with open(path, "a") as log:
+        log.write(line + "\n")
+
+
+def prepare(path: str) -> str:
+    _log(path, "prepare")
+    return "prepared"
+
+
+def slow(path: str, release: str) -> str:
+    """Log that it started, then block until the ``release`` file exists."""
+    import os
+    import time
+
+    _log(path, "slow-start")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return "slow-done"
+
+
+class CrashyWorkflow(DurableWorkflow):
+    """Two steps logging to a file, so calls can be counted across processes."""
+
+    name = "test.crashy"
+    concurrency = Concurrency(key=lambda input: input["key"], limit=1)
+
+    def run(self, ctx: WorkflowContext, input: dict[str, Any]) -> dict[str, Any]:
+        first = ctx.step("prepare", prepare, input["log"])
+        second = ctx.step("slow", slow, input["log"], input["release"])
+        return {"steps": [first, second]}
