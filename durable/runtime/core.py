@@ -253,22 +253,28 @@ class Engine:
         return self.get_run(run_id)
 
     def retry(self, run_id: str, concurrency: _concurrency.ConcurrencySpec = None) -> RunHandle:
-        """Start a failed, dead or cancelled run again, under its quota.
-
-        Completed steps are kept; the failed step runs again.
+        """Start a failed, dead or cancelled run again, under its workflow's quota
+        (or ``concurrency``), as a new start would be: its tags are replaced by the
+        quotas checked now. Completed steps are kept; the failed step runs again.
         """
         record = self._load(run_id)
+        if record.status not in _RETRYABLE:
+            raise exceptions.RunTerminalError(
+                f"Run {run_id!r} is {record.status}; only failed, dead or cancelled runs can be retried.",
+                run_id=run_id,
+                status=record.status,
+            )
         definition = self.registry.get(record.workflow, record.version)
         specs = definition.concurrency if concurrency is None else _per_start(concurrency)
         quotas = _concurrency.resolve(specs, record.input)
-        retryable = (RunStatus.FAILED, RunStatus.DEAD, RunStatus.CANCELLED)
         with self.store.admission(quotas):
             self._check_room(record.workflow, quotas)
-            if not self.store.retry(run_id, from_statuses=retryable):
+            if not self.store.retry(run_id, from_statuses=_RETRYABLE, tags=[q.tag for q in quotas]):
+                current = self._load(run_id).status
                 raise exceptions.RunTerminalError(
-                    f"Run {run_id!r} is {record.status}; only failed, dead or cancelled runs can be retried.",
+                    f"Run {run_id!r} is {current}; only failed, dead or cancelled runs can be retried.",
                     run_id=run_id,
-                    status=record.status,
+                    status=current,
                 )
         self.dispatch(self, run_id)
         return self.get_run(run_id)
@@ -361,6 +367,9 @@ class Engine:
                 self.dispatch(self, run_id)
             logger.warning("Sweep re-dispatched %d orphaned and %d undelivered runs.", len(orphaned), len(undelivered))
         return {"orphaned": orphaned, "undelivered": undelivered}
+
+
+_RETRYABLE = (RunStatus.FAILED, RunStatus.DEAD, RunStatus.CANCELLED)
 
 
 def _per_start(spec: _concurrency.ConcurrencySpec) -> tuple[_concurrency.Concurrency, ...]:

@@ -193,7 +193,7 @@ class DjangoStore:
             qs, status, output=output, error=error, lease="", finished_at=timezone.now()
         )
 
-    def retry(self, run_id: str, *, from_statuses: Sequence[str]) -> bool:
+    def retry(self, run_id: str, *, from_statuses: Sequence[str], tags: Sequence[str]) -> bool:
         models = _models()
         with transaction.atomic(using=self.using):
             qs = self._runs().filter(run_id=run_id, status__in=list(from_statuses))
@@ -208,9 +208,14 @@ class DjangoStore:
                 dispatched_at=timezone.now(),
             )
             if done:
+                run = self._runs().get(run_id=run_id)
                 models.StepRecord.objects.using(self.using).filter(
-                    run__run_id=run_id, outcome=models.StepRecord.Outcome.FAILED
+                    run=run, outcome=models.StepRecord.Outcome.FAILED
                 ).delete()
+                models.RunTag.objects.using(self.using).filter(run=run).delete()
+                models.RunTag.objects.using(self.using).bulk_create(
+                    [models.RunTag(run=run, tag=t, status=RunStatus.PENDING, namespace=run.namespace) for t in tags]
+                )
         return done
 
     # -- journal -------------------------------------------------------------

@@ -152,7 +152,7 @@ class InMemoryStore:
             finished_at=timezone.now(),
         )
 
-    def retry(self, run_id: str, *, from_statuses: Sequence[str]) -> bool:
+    def retry(self, run_id: str, *, from_statuses: Sequence[str], tags: Sequence[str]) -> bool:
         with self._lock:
             done = self._update(
                 run_id,
@@ -164,6 +164,7 @@ class InMemoryStore:
                 lease="",
                 finished_at=None,
                 dispatched_at=timezone.now(),
+                tags=list(tags),
             )
             if done:
                 steps = self._steps.get(run_id, {})

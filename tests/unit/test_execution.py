@@ -331,3 +331,23 @@ def test_workflows_modules_are_autodiscovered() -> None:
     definition = default_engine.registry.current("chat.turn")
     assert definition.version == "1"
     assert definition.concurrency[0].limit == 8
+
+
+def test_retry_takes_the_quota_checked_now_not_a_stale_tag(queued: Engine) -> None:
+    queued.register("w", "1", lambda ctx, input: None)
+    override = Concurrency(key="tenant:a", limit=1)
+    handle = queued.start("w", {}, concurrency=override)
+    handle.cancel()
+    queued.start("w", {}, concurrency=override)  # tenant:a is full again
+    with pytest.raises(Exception, match="Concurrency limit reached"):
+        queued.retry(handle.run_id, concurrency=override)
+    retried = queued.retry(handle.run_id)  # the workflow's own quota: none
+    assert retried.status == RunStatus.PENDING
+    assert queued.count_runs(tag="concurrency:tenant:a", statuses=["pending"]) == 1
+
+
+def test_retry_of_an_unfinished_run_is_refused_before_the_quota(queued: Engine) -> None:
+    queued.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(key="k", limit=1))
+    handle = queued.start("w", {})
+    with pytest.raises(RunTerminalError, match="is pending"):
+        queued.retry(handle.run_id)
