@@ -7,16 +7,12 @@ from typing import Any
 
 from durable import Concurrency, DurableWorkflow, WorkflowContext
 
-#: Seconds a generated reply takes (the demo shortens or lengthens it).
-GENERATE_SECONDS = 0.5
-
-
 def load_history(conversation_id: str) -> list[str]:
     return [f"earlier message in {conversation_id}"]
 
 
-def generate_reply(message: str, history: list[str]) -> str:
-    time.sleep(GENERATE_SECONDS)  # stands in for a call to a language model
+def generate_reply(message: str, history: list[str], think_seconds: float = 0.5) -> str:
+    time.sleep(think_seconds)  # stands in for a call to a language model
     return f"echo: {message} ({len(history)} earlier messages)"
 
 
@@ -27,5 +23,6 @@ class ChatTurnWorkflow(DurableWorkflow):
 
     def run(self, ctx: WorkflowContext, input: dict[str, Any]) -> dict[str, Any]:
         history = ctx.step("load_history", load_history, input.get("conversation_id", "default"))
-        reply = ctx.step("generate", generate_reply, input["message"], history, retries=2, backoff=0.2)
+        think = float(input.get("think_seconds", 0.5))
+        reply = ctx.step("generate", generate_reply, input["message"], history, think, retries=2, backoff=0.2)
         return {"reply": reply}
