@@ -1,0 +1,47 @@
+"""The start path's queries: few, and the count is an index range scan."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+
+from durable import Concurrency, Engine
+from durable.runtime import Registry
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def engine() -> Engine:
+    registry = Registry()
+    registry.register("w", "1", lambda ctx, input: None, Concurrency(key=lambda i: i["key"], limit=100))
+    return Engine(dispatch=lambda engine, run_id: None, registry=registry)
+
+
+def test_start_on_a_known_key_is_lock_count_insert_run_insert_tag(engine: Engine, django_assert_num_queries) -> None:
+    engine.start("w", {"key": "tenant:a"})  # creates the lock row
+    # SELECT ... FOR UPDATE, COUNT, INSERT run, INSERT tag, between SAVEPOINT and RELEASE
+    # (the test's own transaction turns the start's BEGIN/COMMIT into a savepoint).
+    with django_assert_num_queries(6):
+        engine.start("w", {"key": "tenant:a"})
+
+
+def test_start_with_explicit_run_id_adds_one_lookup(engine: Engine, django_assert_num_queries) -> None:
+    engine.start("w", {"key": "tenant:a"})
+    with django_assert_num_queries(7):
+        engine.start("w", {"key": "tenant:a"}, run_id="explicit-1")
+    with django_assert_num_queries(1):  # idempotent re-start: one read, no lock
+        engine.start("w", {"key": "tenant:a"}, run_id="explicit-1")
+
+
+@pytest.mark.postgres
+def test_quota_count_uses_the_tag_status_index(engine: Engine) -> None:
+    engine.start("w", {"key": "tenant:a"})
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")  # tiny tables: ask what the planner can use
+        cursor.execute(
+            "EXPLAIN SELECT COUNT(*) FROM durable_runtag WHERE tag = %s AND status = ANY(%s)",
+            ["concurrency:tenant:a", ["pending", "running", "suspended", "blocked"]],
+        )
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "durable_tag_count_idx" in plan, plan
