@@ -398,7 +398,7 @@ class _QuotaChangeList(ChangeList):
         super().get_results(request)
         infos = {info.key: info for info in quotas.quota_infos()}
         for lock in self.result_list:  # fills the page's result cache
-            lock.quota_info = infos.get(lock.key)  # type: ignore[attr-defined]
+            lock.quota_info = infos.get(lock.key)
 
 
 def _info(lock: models.ConcurrencyLock) -> quotas.QuotaInfo | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.db import models
 from django.db.models.functions import Now
 
-from durable import querysets
+from durable.querysets import RunQuerySet, RunTagQuerySet
 from durable.status import ACTIVE_STATUSES, RunStatus
 
 
@@ -33,7 +33,7 @@ class WorkflowRun(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
-    objects = querysets.RunQuerySet.as_manager()
+    objects = models.Manager.from_queryset(RunQuerySet)()
 
     class Meta:
         ordering = ["-created_at", "-id"]
@@ -60,7 +60,7 @@ class RunTag(models.Model):
     namespace = models.CharField(max_length=100, default="default")
     created_at = models.DateTimeField(db_default=Now())
 
-    objects = querysets.RunTagQuerySet.as_manager()
+    objects = models.Manager.from_queryset(RunTagQuerySet)()
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["run", "tag"], name="durable_tag_unique")]

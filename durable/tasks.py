@@ -36,7 +36,7 @@ def send_run(run_id: str) -> None:
     options: dict[str, Any] = {"serializer": "json"}
     if settings.TASK_QUEUE:
         options["queue"] = settings.TASK_QUEUE
-    execute_run.apply_async(args=[run_id], **options)
+    execute_run.apply_async(args=(run_id,), **options)
 
 
 def beat_schedule() -> dict[str, dict[str, Any]]:

@@ -271,6 +271,6 @@ class DjangoStore:
 
 def to_record(run: WorkflowRun) -> RunRecord:
     record = RunRecord(**{name: getattr(run, name) for name in _RECORD_FIELDS})
-    if run.parent_id is not None:
+    if run.parent is not None:
         record.parent_run_id = run.parent.run_id
     return record
