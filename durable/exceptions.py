@@ -47,6 +47,24 @@ class ConcurrencyQueueFullError(ConcurrencyLimitError):
 
     code = "concurrency_queue_full"
 
+    queued: int
+    max_queued: int
+
+    def __init__(
+        self, *, workflow: str, key: str, limit: int, active: int, queued: int, max_queued: int
+    ) -> None:
+        DurableError.__init__(
+            self,
+            f"The queue of concurrency key {key!r} is full: {queued} runs wait (max_queued={max_queued}) "
+            f"behind {active} of {limit} in flight (workflow {workflow!r}). Retry when it has drained.",
+            workflow=workflow,
+            key=key,
+            limit=limit,
+            active=active,
+            queued=queued,
+            max_queued=max_queued,
+        )
+
 
 class InvalidStartError(DurableError, ValueError):
     """The start was refused because its input or concurrency settings are invalid."""
@@ -64,6 +82,12 @@ class RunNotFound(DurableError, LookupError):
     """No run has this id."""
 
     code = "run_not_found"
+
+
+class RunIdTaken(DurableError):
+    """This run id is already used by another run (another workflow or namespace); choose another run id."""
+
+    code = "run_id_taken"
 
 
 class RunTerminalError(DurableError):

@@ -18,6 +18,7 @@ from django.utils import timezone
 from durable import concurrency as _concurrency
 from durable import exceptions
 from durable.conf import settings
+from durable.runtime import admission
 from durable.runtime.context import WorkflowContext
 from durable.runtime.registry import Definition, Registry, WorkflowFn, default_registry
 from durable.status import ACTIVE_STATUSES, TERMINAL_STATUSES, RunStatus
@@ -26,19 +27,37 @@ from durable.util import check_json, describe_error
 
 logger = logging.getLogger(__name__)
 
-#: ``dispatch(engine, run_id)``: hands a new or recovered run to whatever executes it.
-Dispatcher = Callable[["Engine", str], None]
+#: ``dispatch(engine, run)``: hands a new or recovered run to whatever executes it.
+#: A dispatcher may also have ``revoke(engine, run)``, called when a run is cancelled.
+Dispatcher = Callable[["Engine", RunRecord], None]
 
 
-def celery_dispatch(engine: Engine, run_id: str) -> None:
-    """Send the run's id to a Celery worker once the current transaction commits."""
-    from durable import tasks
+class CeleryDispatch:
+    """Send the run's id to a Celery worker once the current transaction commits.
 
-    engine.store.on_commit(lambda: tasks.send_run(run_id))
+    The task id is ``<run id>:<generation>``, so cancelling a run can revoke its
+    messages (those not yet started are dropped) without touching a later retry's.
+    """
+
+    def __call__(self, engine: Engine, run: RunRecord) -> None:
+        from durable import tasks
+
+        run_id, task_id = run.run_id, tasks.task_id(run.run_id, run.generation)
+        engine.store.on_commit(lambda: tasks.send_run(run_id, task_id=task_id))
+
+    def revoke(self, engine: Engine, run: RunRecord) -> None:
+        from durable import tasks
+
+        task_id = tasks.task_id(run.run_id, run.generation)
+        engine.store.on_commit(lambda: tasks.revoke(task_id))
 
 
-def inline_dispatch(engine: Engine, run_id: str) -> None:
+celery_dispatch = CeleryDispatch()
+
+
+def inline_dispatch(engine: Engine, run: RunRecord) -> None:
     """Execute the run right away in this thread (for tests and scripts)."""
+    run_id = run.run_id
     engine.store.on_commit(lambda: engine.execute(run_id))
 
 
@@ -115,6 +134,7 @@ class Engine:
         self._scope_reads = scope_reads
         self.dispatch = dispatch
         self.registry = registry or default_registry
+        self.promoter = admission.Promoter(self)
 
     @property
     def store(self) -> Store:
@@ -133,7 +153,8 @@ class Engine:
         return self._scope_reads if self._scope_reads is not None else bool(settings.SCOPE_READS)
 
     @property
-    def _read_namespace(self) -> str | None:
+    def read_namespace(self) -> str | None:
+        """The namespace reads and quota counts are fenced to, or None (every namespace)."""
         return self.namespace if self.scope_reads else None
 
     # -- declaring -------------------------------------------------------------
@@ -168,7 +189,7 @@ class Engine:
             _check_run_id(run_id)
             existing = self.store.get_run(run_id)
             if existing is not None:
-                return RunHandle(self, existing)
+                return self._restarted(existing, definition.name)
         specs = definition.concurrency if concurrency is None else _per_start(concurrency)
         quotas = _concurrency.resolve(specs, input)
         record = RunRecord(
@@ -180,34 +201,49 @@ class Engine:
             input=input,
             parent_run_id=parent_run_id,
         )
+        tags = [q.tag for q in quotas]
         try:
             with self.store.admission(quotas):
-                self._check_room(definition.name, quotas)
-                self.store.create_run(record, [q.tag for q in quotas])
+                decision = admission.decide(self, definition.name, quotas)
+                record.status = decision.status
+                if decision.status == RunStatus.CANCELLED:
+                    record.error = {"type": "durable.cancel_newest", "message": decision.reason}
+                    record.finished_at = timezone.now()
+                self.store.create_run(record, tags)
+                for victim in decision.victims:
+                    self._cancel(victim, reason=f"Cancelled to make room for run {record.run_id!r} (CANCEL_IN_PROGRESS).")
         except RunExists:
             # Another starter created the same explicit run id first.
-            return self.get_run(record.run_id)
-        self.dispatch(self, record.run_id)
-        record.tags = [q.tag for q in quotas]
+            existing = self.store.get_run(record.run_id)
+            assert existing is not None
+            return self._restarted(existing, definition.name)
+        if record.status == RunStatus.PENDING:
+            self.dispatch(self, record)
+        elif record.status == RunStatus.QUEUED:
+            # A slot may have freed between the count and now: hand it on.
+            self.store.on_commit(lambda: self.promoter.promote([q.key for q in quotas]))
+        record.tags = tags
         return RunHandle(self, record, created=True)
 
-    def _check_room(self, workflow: str, quotas: Sequence[_concurrency.Quota]) -> None:
-        for quota in quotas:
-            active = self._count(quota.tag, quota.count_statuses)
-            if active >= quota.limit:
-                raise exceptions.ConcurrencyLimitError(
-                    workflow=workflow, key=quota.key, limit=quota.limit, active=active
-                )
+    def _restarted(self, existing: RunRecord, workflow: str) -> RunHandle:
+        """An idempotent re-start returns the existing run, if it is this start's run."""
+        if existing.workflow != workflow or existing.namespace != self.namespace:
+            # Another workflow's or another namespace's run: never hand it out.
+            raise exceptions.RunIdTaken(
+                f"The run id {existing.run_id!r} is already used by another run; choose another run id.",
+                run_id=existing.run_id,
+            )
+        return RunHandle(self, existing)
 
     def _count(self, tag: str, statuses: Sequence[str]) -> int:
         count_runs = getattr(self.store, "count_runs", None)
         if count_runs is not None:
-            return int(count_runs(tag=tag, statuses=statuses, namespace=self._read_namespace))
-        return len(self.store.list_runs(tag=tag, statuses=statuses, namespace=self._read_namespace))
+            return int(count_runs(tag=tag, statuses=statuses, namespace=self.read_namespace))
+        return len(self.store.list_runs(tag=tag, statuses=statuses, namespace=self.read_namespace))
 
     # -- reading ---------------------------------------------------------------
     def _load(self, run_id: str) -> RunRecord:
-        record = self.store.get_run(run_id)
+        record = self.store.get_run(run_id) if _valid_run_id(run_id) else None
         if record is None or (self.scope_reads and record.namespace != self.namespace):
             raise exceptions.RunNotFound(f"No run has the id {run_id!r}.", run_id=run_id)
         return record
@@ -222,28 +258,21 @@ class Engine:
         statuses: Sequence[str] | None = None,
     ) -> list[RunHandle]:
         records = self.store.list_runs(
-            workflow=workflow, tag=tag, statuses=statuses, namespace=self._read_namespace
+            workflow=workflow, tag=tag, statuses=statuses, namespace=self.read_namespace
         )
         return [RunHandle(self, r) for r in records]
 
     def count_runs(self, tag: str | None = None, statuses: Sequence[str] | None = None) -> int:
         count_runs = getattr(self.store, "count_runs", None)
         if count_runs is not None:
-            return int(count_runs(tag=tag, statuses=statuses, namespace=self._read_namespace))
+            return int(count_runs(tag=tag, statuses=statuses, namespace=self.read_namespace))
         return len(self.list_runs(tag=tag, statuses=statuses))
 
     # -- changing --------------------------------------------------------------
     def cancel(self, run_id: str) -> RunHandle:
         """Cancel a run now: it frees its slot at once and stops at its next step boundary."""
         record = self._load(run_id)
-        cancelled = self.store.transition(
-            run_id,
-            from_statuses=ACTIVE_STATUSES,
-            to=RunStatus.CANCELLED,
-            lease="",
-            finished_at=timezone.now(),
-        )
-        if not cancelled:
+        if not self._cancel(record, reason="Cancelled."):
             record = self._load(run_id)
             raise exceptions.RunTerminalError(
                 f"Run {run_id!r} is already {record.status}; only unfinished runs can be cancelled.",
@@ -251,6 +280,28 @@ class Engine:
                 status=record.status,
             )
         return self.get_run(run_id)
+
+    def _cancel(self, run: RunRecord, *, reason: str) -> bool:
+        cancelled = self.store.transition(
+            run.run_id,
+            from_statuses=ACTIVE_STATUSES,
+            to=RunStatus.CANCELLED,
+            lease="",
+            error={"type": "durable.cancelled", "message": reason},
+            finished_at=timezone.now(),
+        )
+        if cancelled:
+            revoke = getattr(self.dispatch, "revoke", None)
+            if revoke is not None:
+                revoke(self, run)
+            self._released(run.run_id)
+        return cancelled
+
+    def _released(self, run_id: str) -> None:
+        """A run left the counted statuses: hand its keys' free slots to queued runs."""
+        keys = self.store.run_keys(run_id)
+        if keys:
+            self.store.on_commit(lambda: self.promoter.promote(keys))
 
     def retry(self, run_id: str, concurrency: _concurrency.ConcurrencySpec = None) -> RunHandle:
         """Start a failed, dead or cancelled run again, under its workflow's quota
@@ -268,7 +319,12 @@ class Engine:
         specs = definition.concurrency if concurrency is None else _per_start(concurrency)
         quotas = _concurrency.resolve(specs, record.input)
         with self.store.admission(quotas):
-            self._check_room(record.workflow, quotas)
+            for quota in quotas:
+                active = self._count(quota.tag, quota.count_statuses)
+                if active >= quota.limit:
+                    raise exceptions.ConcurrencyLimitError(
+                        workflow=record.workflow, key=quota.key, limit=quota.limit, active=active
+                    )
             if not self.store.retry(run_id, from_statuses=_RETRYABLE, tags=[q.tag for q in quotas]):
                 current = self._load(run_id).status
                 raise exceptions.RunTerminalError(
@@ -276,8 +332,9 @@ class Engine:
                     run_id=run_id,
                     status=current,
                 )
-        self.dispatch(self, run_id)
-        return self.get_run(run_id)
+        handle = self.get_run(run_id)
+        self.dispatch(self, handle.record)
+        return handle
 
     # -- executing ---------------------------------------------------------------
     def execute(self, run_id: str) -> None:
@@ -293,21 +350,14 @@ class Engine:
             logger.debug("Run %s is not pending (or is owned by a live worker); nothing to do.", run_id)
             return
         if record.attempt > int(settings.MAX_ATTEMPTS):
-            self.store.finish(
-                run_id,
-                lease,
-                status=RunStatus.DEAD,
-                error={
-                    "type": "durable.dead",
-                    "message": f"Gave up after {record.attempt - 1} attempts: the worker kept dying.",
-                },
-            )
+            message = f"Gave up after {record.attempt - 1} attempts: the worker kept dying."
+            self._finish(run_id, lease, RunStatus.DEAD, error={"type": "durable.dead", "message": message})
             logger.error("Run %s is dead after %d attempts.", run_id, record.attempt - 1)
             return
         try:
             definition = self.registry.get(record.workflow, record.version)
         except exceptions.UnknownWorkflowError as exc:
-            self.store.finish(run_id, lease, status=RunStatus.FAILED, error=describe_error(exc))
+            self._finish(run_id, lease, RunStatus.FAILED, error=describe_error(exc))
             return
         ctx = WorkflowContext(self, record, lease, self.store.load_steps(run_id))
         with self._heartbeat(run_id, lease):
@@ -319,9 +369,13 @@ class Engine:
                 return
             except Exception as exc:
                 logger.info("Run %s failed: %s", run_id, exc)
-                self.store.finish(run_id, lease, status=RunStatus.FAILED, error=describe_error(exc))
+                self._finish(run_id, lease, RunStatus.FAILED, error=describe_error(exc))
                 return
-        self.store.finish(run_id, lease, status=RunStatus.COMPLETED, output=output)
+        self._finish(run_id, lease, RunStatus.COMPLETED, output=output)
+
+    def _finish(self, run_id: str, lease: str, status: str, *, output: Any = None, error: Any = None) -> None:
+        if self.store.finish(run_id, lease, status=status, output=output, error=error):
+            self._released(run_id)
 
     def ensure_running(self, run_id: str, lease: str) -> None:
         """Raise ``RunCancelled`` when the run no longer belongs to this execution."""
@@ -356,17 +410,26 @@ class Engine:
 
     # -- recovery ------------------------------------------------------------------
     def sweep(self) -> dict[str, list[str]]:
-        """Hand orphaned runs (dead worker) and undelivered runs (lost message) to workers again."""
+        """Hand orphaned runs (dead worker) and undelivered runs (lost message) to
+        workers again, and queued runs to keys that have room (a backstop for the
+        hand-off that every release does)."""
         now = timezone.now()
         orphaned = self.store.orphaned_runs(now - timedelta(seconds=float(settings.STALE_AFTER)))
         undelivered = self.store.undelivered_runs(now - timedelta(seconds=float(settings.REDISPATCH_AFTER)))
-        run_ids = orphaned + undelivered
-        if run_ids:
-            self.store.mark_dispatched(run_ids)
-            for run_id in run_ids:
-                self.dispatch(self, run_id)
+        runs = orphaned + undelivered
+        if runs:
+            self.store.mark_dispatched([r.run_id for r in runs])
+            for run in runs:
+                self.dispatch(self, run)
             logger.warning("Sweep re-dispatched %d orphaned and %d undelivered runs.", len(orphaned), len(undelivered))
-        return {"orphaned": orphaned, "undelivered": undelivered}
+        promoted = self.promoter.promote(self.store.keys_with_queued())
+        if promoted:
+            logger.warning("Sweep started %d queued runs whose keys had room.", len(promoted))
+        return {
+            "orphaned": [r.run_id for r in orphaned],
+            "undelivered": [r.run_id for r in undelivered],
+            "promoted": promoted,
+        }
 
 
 _RETRYABLE = (RunStatus.FAILED, RunStatus.DEAD, RunStatus.CANCELLED)
@@ -382,8 +445,12 @@ def _per_start(spec: _concurrency.ConcurrencySpec) -> tuple[_concurrency.Concurr
     return specs
 
 
+def _valid_run_id(run_id: Any) -> bool:
+    return isinstance(run_id, str) and 0 < len(run_id) <= 255 and "\x00" not in run_id
+
+
 def _check_run_id(run_id: Any) -> None:
-    if not isinstance(run_id, str) or not run_id or len(run_id) > 255:
+    if not _valid_run_id(run_id):
         raise exceptions.InvalidStartError(f"A run id must be a string of 1 to 255 characters, got {run_id!r}.")
 
 

@@ -30,6 +30,7 @@ class RunRecord:
     output: Any = None
     error: Any = None
     attempt: int = 0
+    generation: int = 0
     parent_run_id: str | None = None
     lease: str = ""
     worker: str = ""
@@ -72,9 +73,11 @@ class Store(Protocol):
         """One transaction holding the lock of every quota's key (in key order)."""
         ...
 
-    def create_run(self, record: RunRecord, tags: Sequence[str]) -> None: ...
+    def create_run(self, record: RunRecord, tags: Sequence[str]) -> None:
+        """Insert the run (with the status, error and times of ``record``) and its tags."""
+        ...
 
-    def on_commit(self, fn: Callable[[], None]) -> None: ...
+    def on_commit(self, fn: Callable[[], object]) -> None: ...
 
     # -- state changes (compare-and-set) -----------------------------------
     def transition(
@@ -100,9 +103,33 @@ class Store(Protocol):
 
     def record_step(self, run_id: str, lease: str, step: StepEntry) -> bool: ...
 
-    # -- recovery ------------------------------------------------------------
-    def orphaned_runs(self, heartbeat_before: datetime) -> list[str]: ...
+    # -- strategies ------------------------------------------------------------
+    def run_keys(self, run_id: str) -> list[str]:
+        """The concurrency keys of a run (its ``concurrency:`` tags, without the prefix)."""
+        ...
 
-    def undelivered_runs(self, dispatched_before: datetime) -> list[str]: ...
+    def quota_settings(self, keys: Sequence[str]) -> dict[str, tuple[int | None, tuple[str, ...]]]:
+        """The last ``(limit, count_statuses)`` a start used for each key."""
+        ...
+
+    def queued_heads(self, tag: str, *, namespace: str | None = None) -> list[tuple[str, str]]:
+        """``(group, run_id)`` of the oldest queued run of each group queued on ``tag``."""
+        ...
+
+    def rr_cursor(self, key: str) -> str: ...
+
+    def set_rr_cursor(self, key: str, group: str) -> None: ...
+
+    def keys_with_queued(self) -> list[str]: ...
+
+    # -- recovery ------------------------------------------------------------
+    def orphaned_runs(self, heartbeat_before: datetime) -> list[RunRecord]: ...
+
+    def undelivered_runs(self, dispatched_before: datetime) -> list[RunRecord]: ...
 
     def mark_dispatched(self, run_ids: Sequence[str]) -> None: ...
+
+
+def group_keys(tags: Sequence[str]) -> dict[str, str]:
+    """For each tag, the group of its run for round-robin hand-off: the run's other tags."""
+    return {tag: "|".join(sorted(t for t in tags if t != tag)) for tag in tags}

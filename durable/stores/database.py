@@ -8,20 +8,21 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from django.db import IntegrityError, connections, transaction
-from django.db.models import F
+from django.db.models import F, Min, Q
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from durable.concurrency import Quota
 from durable.status import RunStatus
-from durable.stores.base import RunExists, RunRecord, StepEntry
+from durable.concurrency import TAG_PREFIX
+from durable.stores.base import RunExists, RunRecord, StepEntry, group_keys
 
 if TYPE_CHECKING:
     from durable.models import WorkflowRun
 
 _RECORD_FIELDS = (
     "run_id", "workflow", "version", "namespace", "status", "input", "output", "error",
-    "attempt", "lease", "worker", "created_at", "updated_at", "started_at", "finished_at",
+    "attempt", "generation", "lease", "worker", "created_at", "updated_at", "started_at", "finished_at",
     "heartbeat_at", "dispatched_at",
 )  # fmt: skip
 
@@ -93,35 +94,28 @@ class DjangoStore:
             raise RunExists(str(exc)) from exc
 
     def _lock(self, quotas: Sequence[Quota]) -> None:
+        """Lock each key's row, one key at a time in key order (so starts sharing
+        several keys can never deadlock), creating a missing row first: a row that
+        does not exist locks nothing, and INSERT ... ON CONFLICT DO NOTHING waits
+        for a concurrent insert of the same key."""
         Lock = _models().ConcurrencyLock
-        by_key = {q.key: q for q in quotas}
-        keys = sorted(by_key)
-        locks = Lock.objects.using(self.using).select_for_update().filter(key__in=keys).order_by("key")
-        rows = {row.key: row for row in locks}
-        if len(rows) < len(keys):
-            # A row that does not exist locks nothing: create the missing ones
-            # race-free (ON CONFLICT DO NOTHING waits for a concurrent insert of
-            # the same key), then lock them all.
-            Lock.objects.using(self.using).bulk_create(
-                [Lock(key=k, limit=by_key[k].limit, count_statuses=list(by_key[k].count_statuses))
-                 for k in keys if k not in rows],
-                ignore_conflicts=True,
-            )  # fmt: skip
-            rows = {row.key: row for row in locks.all()}
-        for key, row in rows.items():
-            quota = by_key[key]
+        locks = Lock.objects.using(self.using).select_for_update()
+        for quota in sorted(quotas, key=lambda q: q.key):
             statuses = list(quota.count_statuses)
-            if row.limit != quota.limit or row.count_statuses != statuses:
-                Lock.objects.using(self.using).filter(key=key).update(
-                    limit=quota.limit, count_statuses=statuses
+            row = locks.filter(key=quota.key).first()
+            if row is None:
+                Lock.objects.using(self.using).bulk_create(
+                    [Lock(key=quota.key, limit=quota.limit, count_statuses=statuses)], ignore_conflicts=True
                 )
+                row = locks.get(key=quota.key)
+            if row.limit != quota.limit or row.count_statuses != statuses:
+                Lock.objects.using(self.using).filter(key=quota.key).update(limit=quota.limit, count_statuses=statuses)
 
     def create_run(self, record: RunRecord, tags: Sequence[str]) -> None:
         models = _models()
         parent_id = None
         if record.parent_run_id:
             parent_id = self._runs().filter(run_id=record.parent_run_id).values_list("pk", flat=True).first()
-        now = timezone.now()
         run = self._runs().create(
             run_id=record.run_id,
             workflow=record.workflow,
@@ -129,15 +123,23 @@ class DjangoStore:
             namespace=record.namespace,
             status=record.status,
             input=record.input,
+            error=record.error,
             parent_id=parent_id,
-            dispatched_at=now,
+            dispatched_at=timezone.now(),
+            finished_at=record.finished_at,
         )
-        if tags:
-            models.RunTag.objects.using(self.using).bulk_create(
-                [models.RunTag(run=run, tag=t, status=record.status, namespace=record.namespace) for t in tags]
-            )
+        self._create_tags(run, tags)
 
-    def on_commit(self, fn: Callable[[], None]) -> None:
+    def _create_tags(self, run: WorkflowRun, tags: Sequence[str]) -> None:
+        if not tags:
+            return
+        RunTag = _models().RunTag
+        groups = group_keys(tags)
+        RunTag.objects.using(self.using).bulk_create(
+            [RunTag(run=run, tag=t, status=run.status, namespace=run.namespace, group_key=groups[t]) for t in tags]
+        )
+
+    def on_commit(self, fn: Callable[[], object]) -> None:
         transaction.on_commit(fn, using=self.using)
 
     # -- state changes -------------------------------------------------------
@@ -161,8 +163,6 @@ class DjangoStore:
     def claim(
         self, run_id: str, *, lease: str, worker: str, stale_before: datetime
     ) -> RunRecord | None:
-        from django.db.models import Q
-
         now = timezone.now()
         qs = self._runs().filter(run_id=run_id).filter(
             Q(status=RunStatus.PENDING) | Q(status=RunStatus.RUNNING, heartbeat_at__lt=stale_before)
@@ -203,6 +203,7 @@ class DjangoStore:
                 output=None,
                 error=None,
                 attempt=0,
+                generation=F("generation") + 1,
                 lease="",
                 finished_at=None,
                 dispatched_at=timezone.now(),
@@ -213,9 +214,7 @@ class DjangoStore:
                     run=run, outcome=models.StepRecord.Outcome.FAILED
                 ).delete()
                 models.RunTag.objects.using(self.using).filter(run=run).delete()
-                models.RunTag.objects.using(self.using).bulk_create(
-                    [models.RunTag(run=run, tag=t, status=RunStatus.PENDING, namespace=run.namespace) for t in tags]
-                )
+                self._create_tags(run, tags)
         return done
 
     # -- journal -------------------------------------------------------------
@@ -254,12 +253,44 @@ class DjangoStore:
             self._runs().filter(pk=run).update(heartbeat_at=timezone.now())
         return True
 
-    # -- recovery ------------------------------------------------------------
-    def orphaned_runs(self, heartbeat_before: datetime) -> list[str]:
-        return list(self._runs().orphaned(heartbeat_before).values_list("run_id", flat=True)[:1000])
+    # -- strategies ------------------------------------------------------------
+    def _tags(self) -> Any:
+        return _models().RunTag.objects.using(self.using)
 
-    def undelivered_runs(self, dispatched_before: datetime) -> list[str]:
-        return list(self._runs().undelivered(dispatched_before).values_list("run_id", flat=True)[:1000])
+    def run_keys(self, run_id: str) -> list[str]:
+        tags = self._tags().filter(run__run_id=run_id, tag__startswith=TAG_PREFIX).values_list("tag", flat=True)
+        return sorted(t[len(TAG_PREFIX) :] for t in tags)
+
+    def quota_settings(self, keys: Sequence[str]) -> dict[str, tuple[int | None, tuple[str, ...]]]:
+        rows = _models().ConcurrencyLock.objects.using(self.using).filter(key__in=list(keys))
+        return {row.key: (row.limit, tuple(row.count_statuses)) for row in rows}
+
+    def queued_heads(self, tag: str, *, namespace: str | None = None) -> list[tuple[str, str]]:
+        queued = self._tags().counting(tag, [RunStatus.QUEUED])
+        if namespace is not None:
+            queued = queued.filter(namespace=namespace)
+        heads = queued.values("group_key").annotate(first=Min("id"))
+        ids = {row["first"]: row["group_key"] for row in heads}
+        runs = self._tags().filter(id__in=list(ids)).values_list("id", "run__run_id")
+        return sorted((ids[pk], run_id) for pk, run_id in runs)
+
+    def rr_cursor(self, key: str) -> str:
+        Lock = _models().ConcurrencyLock
+        return Lock.objects.using(self.using).filter(key=key).values_list("rr_cursor", flat=True).first() or ""
+
+    def set_rr_cursor(self, key: str, group: str) -> None:
+        _models().ConcurrencyLock.objects.using(self.using).filter(key=key).update(rr_cursor=group)
+
+    def keys_with_queued(self) -> list[str]:
+        tags = self._tags().filter(status=RunStatus.QUEUED).values_list("tag", flat=True).distinct()
+        return sorted(t[len(TAG_PREFIX) :] for t in tags if t.startswith(TAG_PREFIX))
+
+    # -- recovery ------------------------------------------------------------
+    def orphaned_runs(self, heartbeat_before: datetime) -> list[RunRecord]:
+        return [to_record(run) for run in self._runs().orphaned(heartbeat_before).select_related("parent")[:1000]]
+
+    def undelivered_runs(self, dispatched_before: datetime) -> list[RunRecord]:
+        return [to_record(run) for run in self._runs().undelivered(dispatched_before).select_related("parent")[:1000]]
 
     def mark_dispatched(self, run_ids: Sequence[str]) -> None:
         self._runs().filter(run_id__in=list(run_ids)).update(dispatched_at=timezone.now())

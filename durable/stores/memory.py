@@ -18,7 +18,8 @@ from django.utils import timezone
 
 from durable.concurrency import Quota
 from durable.status import RunStatus
-from durable.stores.base import RunExists, RunRecord, StepEntry
+from durable.concurrency import TAG_PREFIX
+from durable.stores.base import RunExists, RunRecord, StepEntry, group_keys
 
 
 class InMemoryStore:
@@ -26,7 +27,11 @@ class InMemoryStore:
         self._lock = threading.RLock()
         self._runs: dict[str, RunRecord] = {}
         self._steps: dict[str, dict[int, StepEntry]] = {}
-        self.limits: dict[str, int] = {}
+        #: key -> (limit, count_statuses) of the last start, and the round-robin cursors.
+        self._quotas: dict[str, tuple[int | None, tuple[str, ...]]] = {}
+        self._cursors: dict[str, str] = {}
+        #: run id -> tag -> group key
+        self._groups: dict[str, dict[str, str]] = {}
 
     # -- reads -------------------------------------------------------------
     def get_run(self, run_id: str) -> RunRecord | None:
@@ -78,7 +83,7 @@ class InMemoryStore:
     def admission(self, quotas: Sequence[Quota]) -> Iterator[None]:
         with self._lock:
             for quota in quotas:
-                self.limits[quota.key] = quota.limit
+                self._quotas[quota.key] = (quota.limit, tuple(quota.count_statuses))
             yield
 
     def create_run(self, record: RunRecord, tags: Sequence[str]) -> None:
@@ -93,8 +98,9 @@ class InMemoryStore:
                 updated_at=now,
                 dispatched_at=now,
             )
+            self._groups[record.run_id] = group_keys(tags)
 
-    def on_commit(self, fn: Callable[[], None]) -> None:
+    def on_commit(self, fn: Callable[[], object]) -> None:
         fn()
 
     # -- state changes -------------------------------------------------------
@@ -154,6 +160,7 @@ class InMemoryStore:
 
     def retry(self, run_id: str, *, from_statuses: Sequence[str], tags: Sequence[str]) -> bool:
         with self._lock:
+            run = self._runs.get(run_id)
             done = self._update(
                 run_id,
                 lambda r: r.status in from_statuses,
@@ -167,6 +174,9 @@ class InMemoryStore:
                 tags=list(tags),
             )
             if done:
+                assert run is not None
+                run.generation += 1
+                self._groups[run_id] = group_keys(tags)
                 steps = self._steps.get(run_id, {})
                 for position in [p for p, s in steps.items() if s.outcome == "failed"]:
                     del steps[position]
@@ -189,21 +199,53 @@ class InMemoryStore:
             run.heartbeat_at = timezone.now()
             return True
 
+    # -- strategies ------------------------------------------------------------
+    def run_keys(self, run_id: str) -> list[str]:
+        with self._lock:
+            run = self._runs.get(run_id)
+            tags = run.tags if run else []
+            return sorted(t[len(TAG_PREFIX) :] for t in tags if t.startswith(TAG_PREFIX))
+
+    def quota_settings(self, keys: Sequence[str]) -> dict[str, tuple[int | None, tuple[str, ...]]]:
+        with self._lock:
+            return {k: self._quotas[k] for k in keys if k in self._quotas}
+
+    def queued_heads(self, tag: str, *, namespace: str | None = None) -> list[tuple[str, str]]:
+        with self._lock:
+            heads: dict[str, RunRecord] = {}
+            for run in self._runs.values():  # insertion order is arrival order
+                if run.status == RunStatus.QUEUED and tag in run.tags and namespace in (None, run.namespace):
+                    heads.setdefault(self._groups[run.run_id][tag], run)
+            return sorted((group, run.run_id) for group, run in heads.items())
+
+    def rr_cursor(self, key: str) -> str:
+        with self._lock:
+            return self._cursors.get(key, "")
+
+    def set_rr_cursor(self, key: str, group: str) -> None:
+        with self._lock:
+            self._cursors[key] = group
+
+    def keys_with_queued(self) -> list[str]:
+        with self._lock:
+            tags = {t for r in self._runs.values() if r.status == RunStatus.QUEUED for t in r.tags}
+            return sorted(t[len(TAG_PREFIX) :] for t in tags if t.startswith(TAG_PREFIX))
+
     # -- recovery ------------------------------------------------------------
-    def orphaned_runs(self, heartbeat_before: datetime) -> list[str]:
+    def orphaned_runs(self, heartbeat_before: datetime) -> list[RunRecord]:
         with self._lock:
             return [
-                r.run_id
+                copy.deepcopy(r)
                 for r in self._runs.values()
                 if r.status == RunStatus.RUNNING
                 and r.heartbeat_at is not None
                 and r.heartbeat_at < heartbeat_before
             ]
 
-    def undelivered_runs(self, dispatched_before: datetime) -> list[str]:
+    def undelivered_runs(self, dispatched_before: datetime) -> list[RunRecord]:
         with self._lock:
             return [
-                r.run_id
+                copy.deepcopy(r)
                 for r in self._runs.values()
                 if r.status == RunStatus.PENDING
                 and r.dispatched_at is not None

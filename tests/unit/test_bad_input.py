@@ -32,7 +32,18 @@ def assert_nothing_created(engine: Engine) -> None:
         assert not RunTag.objects.exists()
 
 
-@pytest.mark.parametrize("bad", [{1, 2}, object(), {"when": b"bytes"}, math.nan, {"x": math.inf}])
+def _deep(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{1, 2}, object(), {"when": b"bytes"}, math.nan, {"x": math.inf}, "a\x00b", {"k": "\ud800"}, _deep(5000)],
+    ids=["set", "object", "bytes", "nan", "inf", "nul", "lone-surrogate", "too-deep"],
+)
 def test_non_json_input_is_refused(engine: Engine, bad: Any) -> None:
     engine.register("w", "1", _noop, concurrency=Concurrency(key="k", limit=5))
     with pytest.raises(ValueError, match="must be a JSON value"):
@@ -93,14 +104,19 @@ def test_bad_run_id(engine: Engine, run_id: Any) -> None:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"key": None}, "must be a string or a function"),
+        ({"key": None}, "exactly one of key"),
+        ({"key": "k", "expression": "input.k"}, "exactly one of key"),
         ({"key": 5}, "must be a string or a function"),
         ({"key": "k", "limit": "8"}, "must be an int or a function"),
         ({"key": "k", "count_statuses": ["running", "sleeping"]}, "count_statuses"),
         ({"key": "k", "count_statuses": "running"}, "count_statuses"),
         ({"key": "k", "strategy": "fastest"}, "must be a Strategy"),
-        ({"key": "k", "strategy": Strategy.GROUP_ROUND_ROBIN}, "not supported by this release"),
-        ({"expression": "input.group"}, "not supported by this release"),
+        ({"key": "k", "count_statuses": ["queued"]}, "count_statuses"),
+        ({"key": "k", "max_queued": 3}, "only applies to Strategy.GROUP_ROUND_ROBIN"),
+        ({"key": "k", "strategy": Strategy.GROUP_ROUND_ROBIN, "max_queued": -1}, "non-negative integer"),
+        ({"expression": "input.(", "limit": 1}, "Invalid CEL concurrency expression"),
+        ({"expression": "tenant.id", "limit": 1}, "may only use `input`, not tenant"),
+        ({"expression": "", "limit": 1}, "must be a CEL expression string"),
     ],
 )
 def test_bad_concurrency_declaration(kwargs: dict[str, Any], message: str) -> None:
@@ -113,3 +129,25 @@ def test_bad_concurrency_type_per_start(engine: Engine) -> None:
     with pytest.raises(InvalidStartError, match="must be a Concurrency"):
         engine.start("w", {}, concurrency={"key": "k", "limit": 1})  # type: ignore[arg-type]
     assert_nothing_created(engine)
+
+
+def test_restart_with_the_run_id_of_another_workflow_or_namespace_is_refused(engine: Engine) -> None:
+    from durable.exceptions import RunIdTaken
+
+    engine.register("w", "1", _noop)
+    engine.register("other", "1", _noop)
+    engine.start("w", {}, run_id="taken")
+    with pytest.raises(RunIdTaken, match="already used by another run"):
+        engine.start("other", {}, run_id="taken")
+    tenant_b = Engine(engine.store, namespace="b", scope_reads=True, dispatch=engine.dispatch, registry=engine.registry)
+    with pytest.raises(RunIdTaken):
+        tenant_b.start("w", {}, run_id="taken")
+    assert engine.count_runs() == 1
+
+
+def test_run_lookup_with_an_impossible_id_is_not_found(engine: Engine) -> None:
+    from durable import RunNotFound
+
+    for run_id in ["a\x00b", "", "x" * 300]:
+        with pytest.raises(RunNotFound):
+            engine.get_run(run_id)

@@ -1,0 +1,210 @@
+"""What the HTTP API accepts and returns."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from rest_framework import serializers
+
+from durable import models
+from durable.status import ALL_STATUSES
+
+#: Deepest nesting of lists and objects accepted in a run's input.
+MAX_INPUT_DEPTH = 100
+
+
+class TextField(serializers.CharField):
+    """A string that the database can store: unlike DRF's ``CharField`` it refuses
+    numbers and booleans (no silent ``123 -> "123"``) and lone surrogates."""
+
+    default_error_messages = {
+        "invalid": "Must be a string.",
+        "unencodable": "Must be valid Unicode text (it contains a lone surrogate).",
+    }
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("trim_whitespace", False)
+        super().__init__(**kwargs)
+
+    def to_internal_value(self, data: Any) -> str:
+        if not isinstance(data, str):
+            self.fail("invalid")
+        if not _encodable(data):
+            self.fail("unencodable")
+        return super().to_internal_value(data)
+
+
+class JSONValueField(serializers.Field):
+    """Any JSON value the database can store as a run's input.
+
+    Refuses what a JSON column cannot hold (NUL characters, lone surrogates,
+    non-finite numbers) and nesting deeper than ``MAX_INPUT_DEPTH``.
+    """
+
+    default_error_messages = {
+        "not_json": "Must be a JSON value, got {type}.",
+        "not_finite": "Numbers must be finite (NaN and Infinity are not JSON).",
+        "nul": "Strings may not contain the NUL character (\\u0000).",
+        "unencodable": "Strings must be valid Unicode text (one contains a lone surrogate).",
+        "too_deep": "Nested more than {max_depth} levels deep.",
+    }
+
+    def to_internal_value(self, data: Any) -> Any:
+        # Iterative walk: a deep value must not exhaust the Python stack.
+        pending: list[tuple[Any, int]] = [(data, 1)]
+        while pending:
+            value, depth = pending.pop()
+            if isinstance(value, str):
+                self._check_text(value)
+            elif isinstance(value, float):
+                if not math.isfinite(value):
+                    self.fail("not_finite")
+            elif value is None or isinstance(value, (bool, int)):
+                pass
+            elif isinstance(value, (list, dict)):
+                if depth > MAX_INPUT_DEPTH:
+                    self.fail("too_deep", max_depth=MAX_INPUT_DEPTH)
+                if isinstance(value, dict):
+                    for key in value:
+                        if not isinstance(key, str):
+                            self.fail("not_json", type=f"an object key {key!r}")
+                        self._check_text(key)
+                    pending.extend((item, depth + 1) for item in value.values())
+                else:
+                    pending.extend((item, depth + 1) for item in value)
+            else:
+                self.fail("not_json", type=type(value).__name__)
+        return data
+
+    def to_representation(self, value: Any) -> Any:
+        return value
+
+    def _check_text(self, text: str) -> None:
+        if "\x00" in text:
+            self.fail("nul")
+        if not _encodable(text):
+            self.fail("unencodable")
+
+
+class StartRunSerializer(serializers.Serializer):
+    """The body of ``POST runs/``: ``{"workflow": str, "input": any JSON, "run_id"?: str}``."""
+
+    workflow = TextField(max_length=255, help_text="Name of a registered workflow.")
+    input = JSONValueField(allow_null=True, help_text="The run's input: any JSON value.")
+    run_id = TextField(
+        max_length=255,
+        required=False,
+        allow_null=True,
+        help_text="Optional explicit id: starting an existing id again returns that run (idempotent).",
+    )
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        # A misspelt field ("inputs", "runId") would otherwise be ignored silently.
+        data = self.initial_data
+        unknown = sorted(str(name) for name in data if name not in self.fields) if isinstance(data, Mapping) else []
+        if unknown:
+            raise serializers.ValidationError(
+                {name: [f"Unknown field; expected {', '.join(self.fields)}."] for name in unknown}
+            )
+        return attrs
+
+
+class StatusListField(serializers.Field):
+    """``?status=running&status=pending`` or ``?status=running,pending``: a list of run statuses."""
+
+    default_error_messages = {
+        "invalid": "Must be a list of run statuses.",
+        "unknown": "Unknown run status {status!r}; expected one of: {choices}.",
+    }
+
+    def to_internal_value(self, data: Any) -> list[str] | None:
+        if isinstance(data, str):
+            data = [data]
+        if not isinstance(data, (list, tuple)) or not all(isinstance(item, str) for item in data):
+            self.fail("invalid")
+        statuses: list[str] = []
+        for item in data:
+            for status in (part.strip() for part in item.split(",")):
+                if not status:
+                    continue
+                if status not in ALL_STATUSES:
+                    self.fail("unknown", status=status, choices=", ".join(sorted(ALL_STATUSES)))
+                if status not in statuses:
+                    statuses.append(status)
+        return statuses or None
+
+    def to_representation(self, value: Any) -> Any:
+        return value
+
+
+class RunFilterSerializer(serializers.Serializer):
+    """The query parameters of ``GET runs/``."""
+
+    workflow = TextField(max_length=255, required=False)
+    tag = TextField(max_length=255, required=False)
+    status = StatusListField(required=False)
+
+    @classmethod
+    def from_query(cls, query: Any) -> RunFilterSerializer:
+        """Build from ``request.query_params``; blank parameters are ignored."""
+        data: dict[str, Any] = {}
+        for name in ("workflow", "tag"):
+            value = query.get(name)
+            if value:
+                data[name] = value
+        statuses = query.getlist("status")
+        if statuses:
+            data["status"] = statuses
+        return cls(data=data)
+
+
+class StepSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = models.StepRecord
+        fields = ["position", "name", "outcome", "attempts", "finished_at"]
+        read_only_fields = fields
+
+
+class RunSerializer(serializers.ModelSerializer):
+    """A run, with its tags and the journal of its finished steps.
+
+    Expects ``parent`` selected and ``tags``/``steps`` prefetched (see ``views.runs``).
+    """
+
+    parent_run_id = serializers.CharField(source="parent.run_id", read_only=True, allow_null=True)
+    tags: serializers.SlugRelatedField[models.RunTag] = serializers.SlugRelatedField(
+        many=True, read_only=True, slug_field="tag"
+    )
+    steps = StepSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = models.WorkflowRun
+        fields = [
+            "run_id", "workflow", "version", "namespace", "status", "input", "output", "error",
+            "attempt", "parent_run_id", "created_at", "updated_at", "started_at", "finished_at",
+            "tags", "steps",
+        ]  # fmt: skip
+        read_only_fields = fields
+
+
+class QuotaSerializer(serializers.Serializer):
+    """One concurrency key (a ``durable.quotas.QuotaInfo``)."""
+
+    key = serializers.CharField(read_only=True)
+    active = serializers.IntegerField(read_only=True, help_text="Runs in the key's count_statuses.")
+    queued = serializers.IntegerField(read_only=True, help_text="Runs waiting for a slot of the key.")
+    limit = serializers.IntegerField(
+        read_only=True, allow_null=True, help_text="Last limit a start used; null if unknown."
+    )
+    count_statuses = serializers.ListField(child=serializers.CharField(), read_only=True)
+    oldest_active_at = serializers.DateTimeField(read_only=True, allow_null=True)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -1,0 +1,185 @@
+"""The HTTP API's views: thin, each delegating to the engine or a read query.
+
+Every view authenticates with the project's DRF authentication classes, checks
+``DURABLE["API_PERMISSION_CLASSES"]`` and then serves the request with the
+engine of the request's tenant (``durable.api.tenancy.engine_for``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from django.db.models import Prefetch
+from rest_framework import generics, status
+from rest_framework.exceptions import APIException, NotFound
+from rest_framework.permissions import BasePermission
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.serializers import BaseSerializer
+
+from durable import exceptions, models, querysets, quotas
+from durable.api import errors, pagination, parsers, permissions, serializers, tenancy
+from durable.concurrency import MAX_KEY_LENGTH
+from durable.runtime.core import Engine, RunHandle
+
+#: Longest run id the engine accepts.
+MAX_RUN_ID_LENGTH = 255
+
+
+def runs(engine: Engine) -> querysets.RunQuerySet:
+    """The runs ``engine`` may read, newest first, ready for ``RunSerializer`` (no N+1)."""
+    return (
+        models.WorkflowRun.objects.in_namespace(engine.read_namespace)
+        .select_related("parent")
+        .prefetch_related(
+            Prefetch("tags", queryset=models.RunTag.objects.order_by("tag")),
+            Prefetch("steps", queryset=models.StepRecord.objects.order_by("position")),
+        )
+        .order_by("-created_at", "-id")
+    )
+
+
+class DurableAPIView(generics.GenericAPIView):
+    """Base of the API's views: JSON bodies, configured permissions, per-tenant engine."""
+
+    parser_classes = [parsers.StrictJSONParser]
+    pagination_class = pagination.PageNumberPagination
+    engine: Engine
+
+    def get_permissions(self) -> list[BasePermission]:
+        return permissions.get_permissions()
+
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        super().initial(request, *args, **kwargs)  # authentication, permissions, throttling
+        self.engine = tenancy.engine_for(request)
+
+    def get_exception_handler(self) -> Callable[[Exception, dict[str, Any]], Response | None]:
+        # durable's errors are mapped here even when the project did not install
+        # durable.api.exception_handler; everything else goes to the project's handler.
+        project_handler = super().get_exception_handler()
+
+        def handle(exc: Exception, context: dict[str, Any]) -> Response | None:
+            response = errors.durable_error_response(exc)
+            if response is None:
+                response = project_handler(exc, context)
+                if response is not None and isinstance(exc, APIException):
+                    _add_code(response, exc)
+            return response
+
+        return handle
+
+    def get_run(self, run_id: str) -> models.WorkflowRun:
+        """The run ``run_id`` as this request's engine may read it, or ``RunNotFound`` (404)."""
+        run = runs(self.engine).filter(run_id=_check_run_id(run_id)).first()
+        if run is None:
+            raise exceptions.RunNotFound(f"No run has the id {run_id!r}.", run_id=run_id)
+        return run
+
+
+class RunListView(DurableAPIView):
+    """``GET runs/``: the runs, newest first, paginated; ``?workflow=``, ``?status=``
+    (repeatable or comma separated) and ``?tag=`` filter them.
+
+    ``POST runs/`` ``{"workflow", "input", "run_id"?}``: start a run through the
+    engine, under its quotas. 201 with the new run, 200 with the existing run when
+    ``run_id`` names one already.
+    """
+
+    def get_serializer_class(self) -> type[BaseSerializer]:
+        if self.request is not None and self.request.method == "POST":
+            return serializers.StartRunSerializer
+        return serializers.RunSerializer
+
+    def get_queryset(self) -> querysets.RunQuerySet:
+        filters = serializers.RunFilterSerializer.from_query(self.request.query_params)
+        filters.is_valid(raise_exception=True)
+        qs = runs(self.engine)
+        if "workflow" in filters.validated_data:
+            qs = qs.filter(workflow=filters.validated_data["workflow"])
+        if "tag" in filters.validated_data:
+            qs = qs.with_tag(filters.validated_data["tag"])
+        return qs.with_statuses(filters.validated_data.get("status"))
+
+    def get(self, request: Request) -> Response:
+        page = self.paginate_queryset(self.get_queryset())
+        return self.get_paginated_response(serializers.RunSerializer(page, many=True).data)
+
+    def post(self, request: Request) -> Response:
+        serializer = serializers.StartRunSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        handle = self.perform_start(serializer)
+        run = self.get_run(handle.run_id)
+        code = status.HTTP_201_CREATED if handle.created else status.HTTP_200_OK
+        return Response(serializers.RunSerializer(run).data, status=code)
+
+    def perform_start(self, serializer: serializers.StartRunSerializer) -> RunHandle:
+        # An explicit run id of another tenant's or another workflow's run raises
+        # RunIdTaken (409): the engine never hands out a run the start did not mean.
+        data = serializer.validated_data
+        return self.engine.start(data["workflow"], data["input"], run_id=data.get("run_id"))
+
+
+class RunDetailView(DurableAPIView):
+    """``GET runs/<run_id>/``: one run with its tags and steps."""
+
+    serializer_class = serializers.RunSerializer
+
+    def get(self, request: Request, run_id: str) -> Response:
+        return Response(serializers.RunSerializer(self.get_run(run_id)).data)
+
+
+class RunCancelView(DurableAPIView):
+    """``POST runs/<run_id>/cancel/``: cancel a run (200 with the run; 409 if it has finished)."""
+
+    serializer_class = serializers.RunSerializer
+
+    def post(self, request: Request, run_id: str) -> Response:
+        self.engine.cancel(_check_run_id(run_id))  # RunNotFound (404) for another tenant's run
+        return Response(serializers.RunSerializer(self.get_run(run_id)).data)
+
+
+class QuotaListView(DurableAPIView):
+    """``GET quotas/``: every concurrency key with its in-flight and queued counts, paginated."""
+
+    serializer_class = serializers.QuotaSerializer
+
+    def get(self, request: Request) -> Response:
+        infos = quotas.quota_infos(namespace=self.engine.read_namespace)
+        page = self.paginate_queryset(infos)
+        return self.get_paginated_response(serializers.QuotaSerializer(page, many=True).data)
+
+
+class QuotaDetailView(DurableAPIView):
+    """``GET quotas/<key>/``: one concurrency key (keys may contain ``/``)."""
+
+    serializer_class = serializers.QuotaSerializer
+
+    def get(self, request: Request, key: str) -> Response:
+        infos: list[quotas.QuotaInfo] = []
+        if _valid_lookup(key, MAX_KEY_LENGTH):
+            infos = quotas.quota_infos(namespace=self.engine.read_namespace, key=key)
+        if not infos:
+            raise NotFound(f"No concurrency key {key!r} is known.", code="quota_not_found")
+        return Response(serializers.QuotaSerializer(infos[0]).data)
+
+
+def _check_run_id(run_id: str) -> str:
+    """``run_id`` if it could name a run, else ``RunNotFound`` (a URL may hold anything)."""
+    if not _valid_lookup(run_id, MAX_RUN_ID_LENGTH):
+        raise exceptions.RunNotFound(f"No run has the id {run_id!r}.", run_id=run_id)
+    return run_id
+
+
+def _valid_lookup(value: str, max_length: int) -> bool:
+    """Whether ``value`` can name a row at all (a NUL would make PostgreSQL raise)."""
+    return 0 < len(value) <= max_length and "\x00" not in value
+
+
+def _add_code(response: Response, exc: APIException) -> None:
+    """Give ``{"detail": ...}`` error bodies the error's code, as durable's own errors have."""
+    data = response.data
+    if isinstance(data, dict) and set(data) == {"detail"}:
+        codes = exc.get_codes()
+        if isinstance(codes, str):
+            data["code"] = codes

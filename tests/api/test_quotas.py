@@ -1,0 +1,84 @@
+"""GET quotas/ and GET quotas/<key>/."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from rest_framework.test import APIClient
+
+from durable.models import ConcurrencyLock
+from durable.testing import WorkflowRunFactory, tagged
+from tests.api.helpers import quota_url, start_add
+
+pytestmark = pytest.mark.django_db
+
+
+def test_quota_urls() -> None:
+    assert quota_url() == "/durable/quotas/"
+    assert quota_url("tenant:acme/eu") == "/durable/quotas/tenant:acme/eu/"
+
+
+def test_quotas_after_starts_over_http(api: APIClient) -> None:
+    for _ in range(2):
+        assert start_add(api, "tenant:acme").status_code == 201
+    start_add(api, "tenant:globex")
+    response = api.get(quota_url())
+    assert response.status_code == 200
+    body = response.json()
+    assert body["count"] == 2
+    acme, globex = body["results"]
+    assert acme["key"] == "tenant:acme"
+    assert (acme["active"], acme["queued"], acme["limit"]) == (2, 0, 3)
+    assert acme["count_statuses"] == ["pending", "running", "suspended", "blocked"]
+    assert acme["oldest_active_at"] is not None
+    assert (globex["key"], globex["active"]) == ("tenant:globex", 1)
+
+
+def test_quota_detail_counts_only_the_counted_statuses(api: APIClient) -> None:
+    ConcurrencyLock.objects.create(key="tenant:acme/eu", limit=5, count_statuses=["running"])
+    tagged(WorkflowRunFactory(status="running"), "concurrency:tenant:acme/eu")
+    tagged(WorkflowRunFactory(status="pending"), "concurrency:tenant:acme/eu")
+    tagged(WorkflowRunFactory(status="queued"), "concurrency:tenant:acme/eu")
+    tagged(WorkflowRunFactory(status="completed"), "concurrency:tenant:acme/eu")
+    response = api.get(quota_url("tenant:acme/eu"))
+    assert response.status_code == 200
+    assert response.json() == {
+        "key": "tenant:acme/eu",
+        "active": 1,
+        "queued": 1,
+        "limit": 5,
+        "count_statuses": ["running"],
+        "oldest_active_at": response.json()["oldest_active_at"],
+    }
+    assert response.json()["oldest_active_at"] is not None
+
+
+def test_quota_with_unknown_limit_and_no_active_runs(api: APIClient) -> None:
+    ConcurrencyLock.objects.create(key="idle", limit=None, count_statuses=[])
+    tagged(WorkflowRunFactory(status="completed"), "concurrency:idle")
+    body = api.get(quota_url("idle")).json()
+    assert (body["limit"], body["active"], body["queued"], body["oldest_active_at"]) == (None, 0, 0, None)
+    assert body["count_statuses"] == ["pending", "running", "suspended", "blocked"]
+
+
+@pytest.mark.parametrize("key", ["nope", "tenant:acme/x", "a%00b", "k" * 300])
+def test_unknown_quota_key_is_404(api: APIClient, key: str) -> None:
+    ConcurrencyLock.objects.create(key="tenant:acme", limit=1)
+    response = api.get(f"/durable/quotas/{key}/")
+    assert response.status_code == 404
+    assert response.json()["code"] == "quota_not_found"
+
+
+def test_quota_list_is_paginated(api: APIClient, settings: Any) -> None:
+    settings.DURABLE = {**settings.DURABLE, "API_PAGE_SIZE": 2}
+    for key in ("a", "b", "c"):
+        ConcurrencyLock.objects.create(key=key, limit=1)
+    first = api.get(quota_url())
+    assert first.json()["count"] == 3
+    assert [q["key"] for q in first.json()["results"]] == ["a", "b"]
+    assert [q["key"] for q in api.get(quota_url(), {"page": 2}).json()["results"]] == ["c"]
+
+
+def test_no_quotas_is_an_empty_list(api: APIClient) -> None:
+    assert api.get(quota_url()).json() == {"count": 0, "next": None, "previous": None, "results": []}
