@@ -11,13 +11,17 @@ from __future__ import annotations
 import enum
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Union
 
+import cel
 from asgiref.sync import async_to_sync
 
 from durable import exceptions
-from durable.status import ALL_STATUSES, DEFAULT_CONCURRENCY_STATUSES
+from durable.status import ALL_STATUSES, DEFAULT_CONCURRENCY_STATUSES, RunStatus
+
+#: What ``count_statuses`` may name: ``queued`` never holds a slot.
+COUNTABLE_STATUSES = ALL_STATUSES - {RunStatus.QUEUED}
 
 #: Longest key accepted; the tag ``concurrency:<key>`` must fit its column.
 MAX_KEY_LENGTH = 200
@@ -34,9 +38,6 @@ class Strategy(str, enum.Enum):
         return self.value
 
 
-#: Strategies this release implements.
-SUPPORTED_STRATEGIES = frozenset({Strategy.REJECT})
-
 KeySpec = Union[str, Callable[[Any], "str | None"], None]
 LimitSpec = Union[int, Callable[[str], Any]]
 
@@ -46,8 +47,11 @@ class Concurrency:
     """A concurrency quota: at most ``limit`` runs of ``key`` in flight.
 
     ``key`` is a string (per start) or a function of the input returning a string,
-    or ``None`` to leave that start unlimited. ``limit`` is an integer or a sync or
-    async function of the key returning one.
+    or ``None`` to leave that start unlimited. ``expression`` is the alternative:
+    a CEL expression over ``input`` (``"input.group"``, or a constant such as
+    ``"'global'"`` for one global limit). ``limit`` is an integer or a sync or
+    async function of the key returning one. ``strategy`` says what happens to a
+    start when the key is full; ``max_queued`` bounds a ``GROUP_ROUND_ROBIN`` queue.
     """
 
     key: KeySpec = None
@@ -56,14 +60,17 @@ class Concurrency:
     strategy: Strategy = Strategy.REJECT
     expression: str | None = None
     max_queued: int | None = None
+    _program: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.expression is not None:
+        if (self.key is None) == (self.expression is None):
             raise exceptions.InvalidStartError(
-                "Concurrency(expression=...) (CEL keys) is not supported by this release; "
-                "pass key=<function of the input> instead."
+                "Concurrency takes exactly one of key=<string or function of the input> or "
+                f"expression=<CEL expression>, got key={self.key!r}, expression={self.expression!r}."
             )
-        if self.key is None or not (isinstance(self.key, str) or callable(self.key)):
+        if self.expression is not None:
+            object.__setattr__(self, "_program", _compile_expression(self.expression))
+        elif not (isinstance(self.key, str) or callable(self.key)):
             raise exceptions.InvalidStartError(
                 f"Concurrency(key=...) must be a string or a function of the input, got {self.key!r}."
             )
@@ -74,10 +81,10 @@ class Concurrency:
                 f"Concurrency(limit=...) must be an int or a function of the key, got {self.limit!r}."
             )
         statuses = self.count_statuses
-        if isinstance(statuses, str) or not statuses or not set(statuses) <= ALL_STATUSES:
+        if isinstance(statuses, str) or not statuses or not set(statuses) <= COUNTABLE_STATUSES:
             raise exceptions.InvalidStartError(
                 f"Concurrency(count_statuses=...) must be a non-empty list of run statuses "
-                f"among {sorted(ALL_STATUSES)}, got {statuses!r}."
+                f"among {sorted(COUNTABLE_STATUSES)}, got {statuses!r}."
             )
         object.__setattr__(self, "count_statuses", tuple(dict.fromkeys(statuses)))
         try:
@@ -86,15 +93,21 @@ class Concurrency:
             raise exceptions.InvalidStartError(
                 f"Concurrency(strategy=...) must be a Strategy, got {self.strategy!r}."
             ) from None
-        if strategy not in SUPPORTED_STRATEGIES:
-            raise exceptions.InvalidStartError(
-                f"Strategy {strategy.name} is not supported by this release; use Strategy.REJECT."
-            )
         object.__setattr__(self, "strategy", strategy)
         if self.max_queued is not None:
-            raise exceptions.InvalidStartError(
-                "Concurrency(max_queued=...) only applies to Strategy.GROUP_ROUND_ROBIN."
-            )
+            if strategy is not Strategy.GROUP_ROUND_ROBIN:
+                raise exceptions.InvalidStartError(
+                    "Concurrency(max_queued=...) only applies to Strategy.GROUP_ROUND_ROBIN."
+                )
+            if isinstance(self.max_queued, bool) or not isinstance(self.max_queued, int) or self.max_queued < 0:
+                raise exceptions.InvalidStartError(
+                    f"Concurrency(max_queued=...) must be a non-negative integer, got {self.max_queued!r}."
+                )
+
+    @property
+    def is_static(self) -> bool:
+        """A plain string key and an integer limit: what a per-start quota takes."""
+        return isinstance(self.key, str) and not callable(self.limit)
 
 
 @dataclass(frozen=True)
@@ -104,7 +117,8 @@ class Quota:
     key: str
     limit: int
     count_statuses: tuple[str, ...]
-    strategy: Strategy
+    strategy: Strategy = Strategy.REJECT
+    max_queued: int | None = None
 
     @property
     def tag(self) -> str:
@@ -135,7 +149,7 @@ def resolve(specs: Sequence[Concurrency], input: Any) -> list[Quota]:
         if key is None:
             continue
         limit = _resolve_limit(spec, key)
-        quota = Quota(key, limit, tuple(spec.count_statuses), Strategy(spec.strategy))
+        quota = Quota(key, limit, tuple(spec.count_statuses), Strategy(spec.strategy), spec.max_queued)
         previous = quotas.get(key)
         if previous is not None and previous.limit <= quota.limit:
             continue
@@ -148,22 +162,42 @@ def resolve(specs: Sequence[Concurrency], input: Any) -> list[Quota]:
 def _resolve_key(spec: Concurrency, input: Any) -> str | None:
     if isinstance(spec.key, str):
         return spec.key
-    assert callable(spec.key)
+    what = "key function" if spec.expression is None else f"key expression {spec.expression!r}"
     try:
-        key = spec.key(input)
+        key = spec.key(input) if spec.expression is None else spec._program.execute({"input": input})
     except Exception as exc:
         raise exceptions.InvalidStartError(
-            f"The concurrency key function raised {type(exc).__name__}: {exc}. "
+            f"The concurrency {what} raised {type(exc).__name__}: {exc}. "
             "Check that the input has the fields the key is built from.",
         ) from exc
     if key is None:
+        # A key function returning None, or an expression evaluating to null,
+        # leaves this start unlimited.
         return None
     if not isinstance(key, str):
         raise exceptions.InvalidStartError(
-            f"The concurrency key function must return a string or None, got {key!r}."
+            f"The concurrency {what} must give a string or None, got {key!r}."
         )
     _check_key(key)
     return key
+
+
+def _compile_expression(expression: Any) -> Any:
+    if not isinstance(expression, str) or not expression.strip():
+        raise exceptions.InvalidStartError(
+            f"Concurrency(expression=...) must be a CEL expression string, got {expression!r}."
+        )
+    try:
+        program = cel.compile(expression)
+    except ValueError as exc:
+        raise exceptions.InvalidStartError(f"Invalid CEL concurrency expression {expression!r}: {exc}") from exc
+    unknown = set(program.variables()) - {"input"}
+    if unknown:
+        raise exceptions.InvalidStartError(
+            f"The CEL concurrency expression {expression!r} may only use `input`, "
+            f"not {', '.join(sorted(unknown))}."
+        )
+    return program
 
 
 def _check_key(key: str) -> None:

@@ -20,6 +20,9 @@ class WorkflowRun(models.Model):
     error = models.JSONField(null=True, blank=True)
     #: How many times a worker has started executing this run.
     attempt = models.PositiveIntegerField(default=0)
+    #: Bumped by every retry; part of the Celery task id, so that revoking a
+    #: cancelled run's messages never revokes those of its retry.
+    generation = models.PositiveIntegerField(default=0)
     parent = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="children"
     )
@@ -58,6 +61,9 @@ class RunTag(models.Model):
     tag = models.CharField(max_length=255)
     status = models.CharField(max_length=16, choices=RunStatus.choices)
     namespace = models.CharField(max_length=100, default="default")
+    #: The run's other concurrency tags, joined: the group a queued run belongs to
+    #: when this tag's freed slots are handed out round-robin.
+    group_key = models.CharField(max_length=1024, blank=True, default="")
     created_at = models.DateTimeField(db_default=Now())
 
     objects = models.Manager.from_queryset(RunTagQuerySet)()
@@ -80,6 +86,8 @@ class ConcurrencyLock(models.Model):
     key = models.CharField(max_length=255, primary_key=True)
     limit = models.IntegerField(null=True, blank=True)
     count_statuses = models.JSONField(default=list, blank=True)
+    #: The group the last round-robin hand-off of this key went to.
+    rr_cursor = models.CharField(max_length=1024, blank=True, default="")
     created_at = models.DateTimeField(db_default=Now())
 
     class Meta:

@@ -31,12 +31,25 @@ def sweep() -> dict[str, list[str]]:
     return engine.sweep()
 
 
-def send_run(run_id: str) -> None:
+def task_id(run_id: str, generation: int) -> str:
+    """The Celery task id of a run's messages: the same for every message of one generation."""
+    return f"{run_id}:{generation}"
+
+
+def send_run(run_id: str, *, task_id: str) -> None:
     """Send one run to the workers (called on commit)."""
-    options: dict[str, Any] = {"serializer": "json"}
+    options: dict[str, Any] = {"serializer": "json", "task_id": task_id}
     if settings.TASK_QUEUE:
         options["queue"] = settings.TASK_QUEUE
     execute_run.apply_async(args=(run_id,), **options)
+
+
+def revoke(task_id: str) -> None:
+    """Ask the workers to drop the messages of a cancelled run they have not started.
+
+    Best effort: a message that still arrives finds the run cancelled and does nothing.
+    """
+    execute_run.app.control.revoke(task_id)
 
 
 def beat_schedule() -> dict[str, dict[str, Any]]:
@@ -44,4 +57,7 @@ def beat_schedule() -> dict[str, dict[str, Any]]:
 
         app.conf.beat_schedule = {**durable.tasks.beat_schedule(), ...}
     """
-    return {"durable-sweep": {"task": SWEEP_TASK, "schedule": float(settings.SWEEP_INTERVAL)}}
+    entry: dict[str, Any] = {"task": SWEEP_TASK, "schedule": float(settings.SWEEP_INTERVAL)}
+    if settings.TASK_QUEUE:
+        entry["options"] = {"queue": settings.TASK_QUEUE}
+    return {"durable-sweep": entry}

@@ -95,11 +95,13 @@ CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 
-DURABLE = {
+DURABLE: dict[str, object] = {
     key: float(os.environ[f"DURABLE_{key}"])
     for key in ("HEARTBEAT_INTERVAL", "STALE_AFTER", "REDISPATCH_AFTER", "SWEEP_INTERVAL")
     if os.environ.get(f"DURABLE_{key}")
 }
+if os.environ.get("DURABLE_TASK_QUEUE"):
+    DURABLE["TASK_QUEUE"] = os.environ["DURABLE_TASK_QUEUE"]
 
 LOGGING = {
     "version": 1,

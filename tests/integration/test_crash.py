@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.conf import settings
@@ -21,8 +22,13 @@ pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
+QUEUE = "durable-crash-test"
+
+
 @pytest.fixture
-def worker_env() -> dict[str, str]:
+def worker_env(settings: Any) -> dict[str, str]:
+    # A queue of its own: the session's in-process worker must not take these runs.
+    settings.DURABLE = {**settings.DURABLE, "TASK_QUEUE": QUEUE}
     broker = celery_app.conf.broker_url
     if not broker.startswith("redis://"):
         pytest.skip("needs a Redis broker shared with a worker process: set CELERY_BROKER_URL")
@@ -35,6 +41,7 @@ def worker_env() -> dict[str, str]:
         "DURABLE_HEARTBEAT_INTERVAL": "0.2",
         "DURABLE_STALE_AFTER": "2",
         "DURABLE_SWEEP_INTERVAL": "0.5",
+        "DURABLE_TASK_QUEUE": QUEUE,
         "PYTHONPATH": str(ROOT),
     }
 
@@ -56,7 +63,7 @@ def workers(worker_env: dict[str, str], tmp_path: Path) -> Iterator[list[subproc
 def start_worker(env: dict[str, str], tmp_path: Path, name: str, *, beat: bool) -> subprocess.Popen[bytes]:
     args = [sys.executable, "-m", "celery", "-A", "testproject", "worker", "--pool=solo",
             "--loglevel=INFO", f"--hostname={name}@%h", "--without-gossip", "--without-mingle",
-            "--include=tests.workflows"]  # fmt: skip
+            "--include=tests.workflows", f"--queues={QUEUE}"]  # fmt: skip
     if beat:
         args += ["--beat", f"--schedule={tmp_path / 'beat-schedule'}"]
     log = open(tmp_path / f"{name}.log", "wb")

@@ -266,7 +266,7 @@ def test_retry_restarts_a_failed_run_under_its_quota(queued: Engine) -> None:
 
 def test_sweep_redispatches_orphaned_and_undelivered_runs(store: Any, settings: Any) -> None:
     sent: list[str] = []
-    engine = Engine(store, dispatch=lambda engine, run_id: sent.append(run_id), registry=Registry())
+    engine = Engine(store, dispatch=lambda engine, run: sent.append(run.run_id), registry=Registry())
     engine.register("w", "1", lambda ctx, input: None)
     orphan = engine.start("w", {})
     lost = engine.start("w", {})
@@ -277,7 +277,7 @@ def test_sweep_redispatches_orphaned_and_undelivered_runs(store: Any, settings: 
     store.transition(orphan.run_id, from_statuses=["running"], to="running", heartbeat_at=past)
     store.transition(lost.run_id, from_statuses=["pending"], to="pending", dispatched_at=past)
     result = engine.sweep()
-    assert result == {"orphaned": [orphan.run_id], "undelivered": [lost.run_id]}
+    assert result == {"orphaned": [orphan.run_id], "undelivered": [lost.run_id], "promoted": []}
     assert sorted(sent) == sorted([orphan.run_id, lost.run_id])
     assert fresh.run_id not in sent
     # The orphan is taken over by the next execution.

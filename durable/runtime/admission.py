@@ -1,0 +1,138 @@
+"""What a start gets when its keys are full (the strategies), and slot hand-off.
+
+``decide`` runs inside the admission transaction, with every key of the start
+locked: it counts and returns what to create. ``Promoter`` hands freed slots to
+queued runs (``GROUP_ROUND_ROBIN``), round-robin across the groups queued on a key.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from django.utils import timezone
+
+from durable import exceptions
+from durable.concurrency import TAG_PREFIX, Quota, Strategy
+from durable.status import RunStatus
+from durable.stores.base import RunRecord
+
+if TYPE_CHECKING:
+    from durable.runtime.core import Engine
+
+logger = logging.getLogger(__name__)
+
+#: How many hand-offs one release may make at most (a backstop, not a limit users meet).
+MAX_HANDOFFS = 10_000
+
+
+@dataclass
+class Decision:
+    """The status the new run is created with, and the in-flight runs to cancel for it."""
+
+    status: str = RunStatus.PENDING
+    victims: list[RunRecord] = field(default_factory=list)
+    reason: str = ""
+
+
+def decide(engine: Engine, workflow: str, quotas: Sequence[Quota]) -> Decision:
+    """Count every key (they are locked) and apply the strategies of the full ones.
+
+    Precedence when several keys are full: REJECT raises; else CANCEL_NEWEST
+    creates the run cancelled; else GROUP_ROUND_ROBIN queues it (or raises
+    ``ConcurrencyQueueFullError`` past ``max_queued``); else CANCEL_IN_PROGRESS
+    cancels the oldest in-flight runs of each full key and starts it.
+    A key whose limit is 0 or less can never make room: every strategy rejects.
+    """
+    full: list[tuple[Quota, int, int]] = []
+    for quota in quotas:
+        active = engine._count(quota.tag, quota.count_statuses)
+        queued = 0
+        if quota.strategy is Strategy.GROUP_ROUND_ROBIN:
+            # Runs queued before this one go first: room is theirs.
+            queued = engine._count(quota.tag, [RunStatus.QUEUED])
+        if active >= quota.limit or queued:
+            full.append((quota, active, queued))
+        if quota.limit <= 0 or (quota.strategy is Strategy.REJECT and active >= quota.limit):
+            raise exceptions.ConcurrencyLimitError(workflow=workflow, key=quota.key, limit=quota.limit, active=active)
+    if not full:
+        return Decision()
+    strategies = {quota.strategy for quota, _, _ in full}
+    if Strategy.CANCEL_NEWEST in strategies:
+        keys = ", ".join(q.key for q, _, _ in full if q.strategy is Strategy.CANCEL_NEWEST)
+        return Decision(RunStatus.CANCELLED, reason=f"Cancelled at start: concurrency key {keys} was full (CANCEL_NEWEST).")
+    if Strategy.GROUP_ROUND_ROBIN in strategies:
+        for quota, active, queued in full:
+            if quota.max_queued is not None and queued >= quota.max_queued:
+                raise exceptions.ConcurrencyQueueFullError(
+                    workflow=workflow, key=quota.key, limit=quota.limit, active=active, queued=queued,
+                    max_queued=quota.max_queued,
+                )  # fmt: skip
+        return Decision(RunStatus.QUEUED)
+    victims: dict[str, RunRecord] = {}
+    for quota, active, _ in full:  # every one is CANCEL_IN_PROGRESS
+        in_flight = engine.store.list_runs(tag=quota.tag, statuses=quota.count_statuses, namespace=engine.read_namespace)
+        in_flight.sort(key=lambda r: (r.created_at or timezone.now(), r.run_id))
+        for run in in_flight[: active - quota.limit + 1]:
+            victims.setdefault(run.run_id, run)
+    return Decision(victims=list(victims.values()))
+
+
+class Promoter:
+    """Hands the free slots of keys to their queued runs."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def promote(self, keys: Sequence[str]) -> list[str]:
+        """Start queued runs of ``keys`` while those keys have room; return the run ids started."""
+        started: list[str] = []
+        for key in dict.fromkeys(keys):
+            for _ in range(MAX_HANDOFFS):
+                run_id = self._hand_off(key)
+                if run_id is None:
+                    break
+                started.append(run_id)
+        return started
+
+    def _hand_off(self, key: str) -> str | None:
+        """Start the next queued run of ``key`` in round-robin order of its groups."""
+        store = self.engine.store
+        heads = store.queued_heads(TAG_PREFIX + key, namespace=self.engine.read_namespace)
+        if not heads:
+            return None
+        cursor = store.rr_cursor(key)
+        # The groups after the one served last, then the others from the start.
+        ordered = [h for h in heads if h[0] > cursor] + [h for h in heads if h[0] <= cursor]
+        for group, run_id in ordered:
+            outcome = self._try_start(key, group, run_id)
+            if outcome == "started":
+                return run_id
+            if outcome == "key full":
+                return None
+        return None
+
+    def _try_start(self, key: str, group: str, run_id: str) -> str:
+        engine, store = self.engine, self.engine.store
+        keys = store.run_keys(run_id)
+        settings = store.quota_settings(keys)
+        quotas = [
+            Quota(k, limit, statuses)
+            for k, (limit, statuses) in sorted(settings.items())
+            if limit is not None and statuses
+        ]
+        with store.admission(quotas):
+            for quota in quotas:
+                if engine._count(quota.tag, quota.count_statuses) >= quota.limit:
+                    return "key full" if quota.key == key else "other key full"
+            if not store.transition(run_id, from_statuses=[RunStatus.QUEUED], to=RunStatus.PENDING):
+                return "gone"  # another promoter took it, or it was cancelled
+            store.set_rr_cursor(key, group)
+        record = store.get_run(run_id)
+        if record is not None:
+            engine.dispatch(engine, record)
+        logger.debug("Handed a slot of %s to queued run %s (group %r).", key, run_id, group)
+        return "started"
+

@@ -1,0 +1,259 @@
+"""CONTRACT section 6: the Hatchet strategies, several keys, CEL keys."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from durable import (
+    Concurrency,
+    ConcurrencyLimitError,
+    ConcurrencyQueueFullError,
+    DjangoStore,
+    Engine,
+    InMemoryStore,
+    RunStatus,
+    Strategy,
+)
+from durable.exceptions import InvalidStartError
+from durable.runtime import Registry
+from durable.stores import RunRecord
+
+# Committed transactions: hand-offs run on commit, as in production.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+GRR, CIP, NEWEST = Strategy.GROUP_ROUND_ROBIN, Strategy.CANCEL_IN_PROGRESS, Strategy.CANCEL_NEWEST
+
+
+class Dispatcher:
+    """Records what the engine sends to workers (and revokes)."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+        self.revoked: list[str] = []
+
+    def __call__(self, engine: Engine, run: RunRecord) -> None:
+        self.sent.append(run.run_id)
+
+    def revoke(self, engine: Engine, run: RunRecord) -> None:
+        self.revoked.append(run.run_id)
+
+
+@pytest.fixture(params=["django", "memory"])
+def store(request: pytest.FixtureRequest) -> Any:
+    return DjangoStore() if request.param == "django" else InMemoryStore()
+
+
+@pytest.fixture
+def dispatcher() -> Dispatcher:
+    return Dispatcher()
+
+
+@pytest.fixture
+def engine(store: Any, dispatcher: Dispatcher) -> Engine:
+    return Engine(store, dispatch=dispatcher, registry=Registry())
+
+
+def tenant(input: dict[str, Any]) -> str:
+    return f"tenant:{input['tenant']}"
+
+
+def complete(engine: Engine, run_id: str) -> None:
+    """Execute the run to completion, as a worker would."""
+    engine.execute(run_id)
+    assert engine.get_run(run_id).status == RunStatus.COMPLETED
+
+
+def statuses(engine: Engine, handles: list[Any]) -> list[str]:
+    return [h.refresh().status for h in handles]
+
+
+# -- GROUP_ROUND_ROBIN ------------------------------------------------------------------
+
+
+def test_grr_queues_over_limit_starts_holding_no_slot(engine: Engine, dispatcher: Dispatcher) -> None:
+    engine.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(key=tenant, limit=2, strategy=GRR))
+    runs = [engine.start("w", {"tenant": "a"}) for _ in range(4)]
+    assert statuses(engine, runs) == ["pending", "pending", "queued", "queued"]
+    assert dispatcher.sent == [runs[0].run_id, runs[1].run_id]  # queued runs are not sent
+    assert engine.count_runs(tag="concurrency:tenant:a", statuses=["pending", "running", "suspended", "blocked"]) == 2
+
+
+def test_grr_release_hands_the_slot_to_the_next_queued_run(engine: Engine, dispatcher: Dispatcher) -> None:
+    engine.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(key=tenant, limit=1, strategy=GRR))
+    first, second, third = (engine.start("w", {"tenant": "a"}) for _ in range(3))
+    complete(engine, first.run_id)  # the release itself promotes, no sweep involved
+    assert statuses(engine, [second, third]) == ["pending", "queued"]
+    assert dispatcher.sent[-1] == second.run_id
+    second.cancel()  # cancelling frees the slot as well
+    assert third.refresh().status == "pending"
+    assert dispatcher.sent[-1] == third.run_id
+
+
+def test_grr_new_start_waits_behind_queued_runs(engine: Engine, dispatcher: Dispatcher, store: Any) -> None:
+    engine.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(key=tenant, limit=1, strategy=GRR))
+    first, second = engine.start("w", {"tenant": "a"}), engine.start("w", {"tenant": "a"})
+    # The slot frees without a hand-off (as if the promoting process died).
+    assert store.transition(first.run_id, from_statuses=["pending"], to="completed")
+    late = engine.start("w", {"tenant": "a"})
+    # The newcomer queues and the oldest queued run gets the slot.
+    assert statuses(engine, [second, late]) == ["pending", "queued"]
+
+
+def test_grr_sweep_starts_queued_runs_whose_key_has_room(engine: Engine, store: Any) -> None:
+    engine.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(key=tenant, limit=1, strategy=GRR))
+    first, second = engine.start("w", {"tenant": "a"}), engine.start("w", {"tenant": "a"})
+    assert store.transition(first.run_id, from_statuses=["pending"], to="failed")  # no hand-off
+    assert engine.sweep()["promoted"] == [second.run_id]
+    assert second.refresh().status == "pending"
+
+
+def test_grr_max_queued_bounds_the_queue(engine: Engine) -> None:
+    quota = Concurrency(key=tenant, limit=1, strategy=GRR, max_queued=2)
+    engine.register("w", "1", lambda ctx, input: None, concurrency=quota)
+    for _ in range(3):
+        engine.start("w", {"tenant": "a"})
+    with pytest.raises(ConcurrencyQueueFullError) as info:
+        engine.start("w", {"tenant": "a"}, run_id="refused")
+    error = info.value
+    assert (error.key, error.limit, error.active, error.queued, error.max_queued) == ("tenant:a", 1, 1, 2, 2)
+    assert isinstance(error, ConcurrencyLimitError) and error.code == "concurrency_queue_full"
+    assert engine.store.get_run("refused") is None
+
+
+def test_grr_hands_freed_capacity_round_robin_across_groups(engine: Engine, dispatcher: Dispatcher) -> None:
+    quotas = [
+        Concurrency(key=tenant, limit=100, strategy=GRR),
+        Concurrency(expression="'global'", limit=2, strategy=GRR),
+    ]
+    engine.register("w", "1", lambda ctx, input: None, concurrency=quotas)
+    # Tenant a floods first, then b, then c: 30 queued runs each behind 2 running.
+    running = [engine.start("w", {"tenant": "a"}) for _ in range(2)]
+    for name in "abc":
+        for _ in range(30):
+            engine.start("w", {"tenant": name})
+    for handle in running:
+        complete(engine, handle.run_id)
+    # Complete runs in the order they were handed a slot; note their tenants.
+    order: list[str] = []
+    while pending := engine.list_runs(statuses=["pending"]):
+        handle = min(pending, key=lambda h: dispatcher.sent.index(h.run_id))
+        order.append(handle.input["tenant"])
+        complete(engine, handle.run_id)
+    assert len(order) == 90
+    # Freed slots went a, b, c, a, b, c... not 30 times a first.
+    assert order[:9] in (list("abcabcabc"), list("bcabcabca"), list("cabcabcab"))
+    assert order.count("a") == order.count("b") == order.count("c") == 30
+
+
+def test_grr_several_keys_wait_holding_no_slot_of_any_key(engine: Engine) -> None:
+    quotas = [Concurrency(key=tenant, limit=1, strategy=GRR), Concurrency(key="global", limit=2, strategy=GRR)]
+    engine.register("w", "1", lambda ctx, input: None, concurrency=quotas)
+    a1 = engine.start("w", {"tenant": "a"})
+    a2 = engine.start("w", {"tenant": "a"})  # tenant:a full: queued, takes no global slot
+    b1 = engine.start("w", {"tenant": "b"})  # global still has room for b
+    assert statuses(engine, [a1, a2, b1]) == ["pending", "queued", "pending"]
+    complete(engine, b1.run_id)  # a global slot frees, but tenant:a is still full
+    assert a2.refresh().status == "queued"
+    complete(engine, a1.run_id)
+    assert a2.refresh().status == "pending"
+
+
+# -- CANCEL_IN_PROGRESS -----------------------------------------------------------------
+
+
+def test_cancel_in_progress_cancels_the_oldest_and_starts_at_once(engine: Engine, dispatcher: Dispatcher) -> None:
+    engine.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(key=tenant, limit=2, strategy=CIP))
+    old, mid = engine.start("w", {"tenant": "a"}), engine.start("w", {"tenant": "a"})
+    new = engine.start("w", {"tenant": "a"})
+    assert statuses(engine, [old, mid, new]) == ["cancelled", "pending", "pending"]
+    assert dispatcher.revoked == [old.run_id]
+    assert dispatcher.sent[-1] == new.run_id
+    assert "CANCEL_IN_PROGRESS" in old.error["message"]
+    engine.execute(old.run_id)  # its message, if still delivered, changes nothing
+    assert old.refresh().status == "cancelled"
+
+
+def test_cancel_in_progress_stops_a_running_victim_at_its_next_step(engine: Engine) -> None:
+    calls: list[str] = []
+
+    def body(ctx: Any, input: Any) -> None:
+        ctx.step("first", calls.append, "first")
+        if input.get("supersede"):
+            engine.start("w", {"tenant": "a"})  # a newer run arrives while this one runs
+        ctx.step("second", calls.append, "second")
+
+    engine.register("w", "1", body, concurrency=Concurrency(key=tenant, limit=1, strategy=CIP))
+    victim = engine.start("w", {"tenant": "a", "supersede": True})
+    engine.execute(victim.run_id)
+    assert calls == ["first"]
+    assert victim.refresh().status == "cancelled"
+
+
+# -- CANCEL_NEWEST ------------------------------------------------------------------------
+
+
+def test_cancel_newest_creates_the_new_run_cancelled(engine: Engine, dispatcher: Dispatcher) -> None:
+    engine.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(key=tenant, limit=1, strategy=NEWEST))
+    running = engine.start("w", {"tenant": "a"})
+    newest = engine.start("w", {"tenant": "a"})
+    assert newest.created and newest.status == "cancelled"
+    assert "CANCEL_NEWEST" in newest.error["message"]
+    assert running.refresh().status == "pending"
+    assert dispatcher.sent == [running.run_id]
+    assert {h.run_id for h in engine.list_runs(statuses=["cancelled"])} == {newest.run_id}
+
+
+# -- several keys, limits, CEL --------------------------------------------------------------
+
+
+def test_reject_with_several_keys_names_the_full_key(engine: Engine) -> None:
+    quotas = [Concurrency(key=tenant, limit=5), Concurrency(key="global", limit=1, strategy=GRR)]
+    engine.register("w", "1", lambda ctx, input: None, concurrency=quotas)
+    engine.start("w", {"tenant": "a"})
+    assert engine.start("w", {"tenant": "a"}).status == "queued"  # global is full: it waits
+    engine.register("w", "1", lambda ctx, input: None, concurrency=[Concurrency(key=tenant, limit=1), quotas[1]])
+    with pytest.raises(ConcurrencyLimitError) as info:
+        engine.start("w", {"tenant": "a"})
+    assert info.value.key == "tenant:a"
+
+
+@pytest.mark.parametrize("strategy", list(Strategy))
+def test_limit_zero_rejects_with_every_strategy(engine: Engine, strategy: Strategy) -> None:
+    engine.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(key="k", limit=0, strategy=strategy))
+    with pytest.raises(ConcurrencyLimitError):
+        engine.start("w", {})
+    assert engine.count_runs() == 0
+
+
+def test_cel_expression_key(engine: Engine) -> None:
+    engine.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(expression="input.group", limit=1))
+    handle = engine.start("w", {"group": "blue"})
+    assert handle.record.tags == ["concurrency:blue"]
+    with pytest.raises(ConcurrencyLimitError) as info:
+        engine.start("w", {"group": "blue"})
+    assert info.value.key == "blue"
+    engine.start("w", {"group": "green"})
+
+
+def test_cel_constant_expression_is_one_global_limit(engine: Engine) -> None:
+    engine.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(expression="'global'", limit=1))
+    engine.start("w", {"group": "blue"})
+    with pytest.raises(ConcurrencyLimitError):
+        engine.start("w", {"group": "green"})
+
+
+def test_cel_null_leaves_the_start_unlimited(engine: Engine) -> None:
+    engine.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(expression="input.group", limit=1))
+    for _ in range(3):
+        assert engine.start("w", {"group": None}).record.tags == []
+
+
+@pytest.mark.parametrize("input, message", [({"group": 7}, "must give a string or None, got 7"),
+                                            ({}, "raised KeyError")])  # fmt: skip
+def test_cel_non_string_or_missing_field_is_refused(engine: Engine, input: Any, message: str) -> None:
+    engine.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(expression="input.group", limit=1))
+    with pytest.raises(InvalidStartError, match=message):
+        engine.start("w", input)
+    assert engine.count_runs() == 0
