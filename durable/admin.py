@@ -22,6 +22,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 from django.utils.safestring import SafeString, mark_safe
 from django.utils.text import smart_split, unescape_string_literal
+from django.utils.timesince import timesince
 from django.utils.translation import ngettext
 
 import durable
@@ -417,15 +418,15 @@ class ConcurrencyQuotaAdmin(admin.ModelAdmin):
     ``limit`` and ``count_statuses`` are the values the latest start of the key
     used (a limit computed per start may differ from one start to the next).
     ``active`` counts the key's runs in those statuses across every namespace,
-    ``queued`` its queued runs, and "oldest in flight" is the creation time of
-    the oldest counted run.
+    ``queued`` its queued runs, "oldest in flight" is the creation time of the
+    oldest counted run and "oldest queued" how long the head of its queue has waited.
     """
 
-    list_display = ("key", "limit", "active", "queued", "oldest_in_flight", "counted_statuses", "runs")
+    list_display = ("key", "limit", "active", "queued", "oldest_queued", "oldest_in_flight", "counted_statuses", "runs")
     search_fields = ("key",)
     ordering = ("key",)
     show_full_result_count = False
-    fields = ("key", "limit", "active", "queued", "oldest_in_flight", "counted_statuses", "created_at", "runs")
+    fields = ("key", "limit", "active", "queued", "oldest_queued", "oldest_in_flight", "counted_statuses", "created_at", "runs")
     readonly_fields = fields
     empty_value_display = "—"
 
@@ -450,6 +451,13 @@ class ConcurrencyQuotaAdmin(admin.ModelAdmin):
     def queued(self, lock: models.ConcurrencyLock) -> int:
         info = _info(lock)
         return info.queued if info else 0
+
+    @admin.display(description="oldest queued")
+    def oldest_queued(self, lock: models.ConcurrencyLock) -> str | None:
+        info = _info(lock)
+        if info is None or info.oldest_queued_at is None:
+            return None
+        return f"waiting {timesince(info.oldest_queued_at)}"
 
     @admin.display(description="oldest in flight")
     def oldest_in_flight(self, lock: models.ConcurrencyLock) -> Any:

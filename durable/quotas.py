@@ -20,6 +20,8 @@ class QuotaInfo:
     active: int
     queued: int
     oldest_active_at: datetime | None
+    #: Creation time of the oldest run waiting in the key's queue (its age is now minus this).
+    oldest_queued_at: datetime | None = None
 
 
 def quota_infos(*, namespace: str | None = None, key: str | None = None) -> list[QuotaInfo]:
@@ -61,6 +63,7 @@ def quota_infos(*, namespace: str | None = None, key: str | None = None) -> list
                 active=sum(n for n, _ in counted),
                 queued=by_status.get(RunStatus.QUEUED, (0, None))[0],
                 oldest_active_at=min((oldest for _, oldest in counted), default=None),
+                oldest_queued_at=by_status.get(RunStatus.QUEUED, (0, None))[1],
             )
         )
     return infos

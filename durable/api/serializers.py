@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from django.utils import timezone
 from rest_framework import serializers
 
 from durable import models
@@ -200,6 +201,15 @@ class QuotaSerializer(serializers.Serializer):
     )
     count_statuses = serializers.ListField(child=serializers.CharField(), read_only=True)
     oldest_active_at = serializers.DateTimeField(read_only=True, allow_null=True)
+    oldest_queued_at = serializers.DateTimeField(read_only=True, allow_null=True)
+    oldest_queued_age = serializers.SerializerMethodField(
+        help_text="Seconds the oldest queued run has waited; null when nothing is queued."
+    )
+
+    def get_oldest_queued_age(self, info: Any) -> float | None:
+        if info.oldest_queued_at is None:
+            return None
+        return round((timezone.now() - info.oldest_queued_at).total_seconds(), 3)
 
 
 def _encodable(text: str) -> bool:

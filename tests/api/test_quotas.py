@@ -50,8 +50,11 @@ def test_quota_detail_counts_only_the_counted_statuses(api: APIClient) -> None:
         "limit": 5,
         "count_statuses": ["running"],
         "oldest_active_at": response.json()["oldest_active_at"],
+        "oldest_queued_at": response.json()["oldest_queued_at"],
+        "oldest_queued_age": response.json()["oldest_queued_age"],
     }
     assert response.json()["oldest_active_at"] is not None
+    assert response.json()["oldest_queued_at"] is not None
 
 
 def test_quota_with_unknown_limit_and_no_active_runs(api: APIClient) -> None:
@@ -82,3 +85,20 @@ def test_quota_list_is_paginated(api: APIClient, settings: Any) -> None:
 
 def test_no_quotas_is_an_empty_list(api: APIClient) -> None:
     assert api.get(quota_url()).json() == {"count": 0, "next": None, "previous": None, "results": []}
+
+
+def test_quota_shows_the_age_of_the_oldest_queued_run(api: APIClient) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    ConcurrencyLock.objects.create(key="busy", limit=1, count_statuses=["pending", "running"])
+    tagged(WorkflowRunFactory(status="running"), "concurrency:busy")
+    waited = WorkflowRunFactory(status="queued")
+    type(waited).objects.filter(pk=waited.pk).update(created_at=timezone.now() - timedelta(seconds=90))
+    tagged(waited, "concurrency:busy")
+    tagged(WorkflowRunFactory(status="queued"), "concurrency:busy")
+    body = api.get(quota_url("busy")).json()
+    assert (body["active"], body["queued"]) == (1, 2)
+    assert 89 <= body["oldest_queued_age"] < 300
+    assert api.get(quota_url()).json()["results"][0]["oldest_queued_age"] >= 89

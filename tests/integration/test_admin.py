@@ -328,7 +328,7 @@ def test_quotas_changelist_shows_counts_limit_and_oldest(admin_client: Client) -
     oldest = timezone.now() - timedelta(hours=2)
     tagged(WorkflowRunFactory(status=RunStatus.RUNNING, created_at=oldest), "concurrency:tenant:acme")
     tagged(WorkflowRunFactory(status=RunStatus.PENDING), "concurrency:tenant:acme")
-    tagged(WorkflowRunFactory(status=RunStatus.QUEUED), "concurrency:tenant:acme")
+    tagged(WorkflowRunFactory(status=RunStatus.QUEUED, created_at=oldest), "concurrency:tenant:acme")
     # Neither finished nor suspended runs count here (suspended is not in count_statuses).
     finished = WorkflowRunFactory(status=RunStatus.COMPLETED, created_at=oldest - timedelta(days=1))
     tagged(finished, "concurrency:tenant:acme")
@@ -341,6 +341,7 @@ def test_quotas_changelist_shows_counts_limit_and_oldest(admin_client: Client) -
     assert '<td class="field-limit">3</td>' in acme
     assert '<td class="field-active">2</td>' in acme
     assert '<td class="field-queued">1</td>' in acme
+    assert '<td class="field-oldest_queued">waiting 2\xa0hours</td>' in acme
     assert formats.localize(timezone.template_localtime(oldest)) in acme
     assert "pending, running" in acme
     assert "?tag=concurrency%3Atenant%3Aacme" in acme
@@ -348,6 +349,7 @@ def test_quotas_changelist_shows_counts_limit_and_oldest(admin_client: Client) -
     assert '<td class="field-limit">—</td>' in new  # limit not known
     assert '<td class="field-active">0</td>' in new
     assert '<td class="field-oldest_in_flight">—</td>' in new
+    assert '<td class="field-oldest_queued">—</td>' in new
 
 
 def test_quotas_changelist_query_count_does_not_grow_with_keys(
