@@ -26,6 +26,13 @@ class WorkflowRun(models.Model):
     parent = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="children"
     )
+    #: Celery queue the run's messages go to ("" for the default queue); a remote
+    #: workflow's runs go to the queue its service consumes.
+    queue = models.CharField(max_length=200, blank=True, default="")
+    #: What a suspended run waits for: "sleep", "signal:<name>" or "child:<run id>".
+    waiting_for = models.CharField(max_length=300, blank=True, default="")
+    #: When a suspended run wakes up (end of a sleep, or a signal's timeout).
+    wake_at = models.DateTimeField(null=True, blank=True)
     #: Token of the execution that owns the run while it is ``running``.
     lease = models.CharField(max_length=32, blank=True, default="")
     worker = models.CharField(max_length=255, blank=True, default="")
@@ -45,6 +52,11 @@ class WorkflowRun(models.Model):
                 fields=["status", "heartbeat_at"],
                 name="durable_run_active_idx",
                 condition=models.Q(status__in=ACTIVE_STATUSES),
+            ),
+            models.Index(
+                fields=["wake_at"],
+                name="durable_run_wake_idx",
+                condition=models.Q(status=RunStatus.SUSPENDED),
             ),
         ]
 
@@ -103,6 +115,8 @@ class StepRecord(models.Model):
     class Outcome(models.TextChoices):
         COMPLETED = "completed"
         FAILED = "failed"
+        #: A sleep or a signal wait that has begun (its deadline is in ``output``).
+        WAITING = "waiting"
 
     run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="steps")
     position = models.PositiveIntegerField()
@@ -122,3 +136,69 @@ class StepRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.position}: {self.name}"
+
+
+class Signal(models.Model):
+    """A signal sent to a run. Buffered until the run waits for it (then consumed at
+    the journal position of that wait), so a signal sent early is never lost."""
+
+    run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="signals")
+    name = models.CharField(max_length=255)
+    payload = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(db_default=Now())
+    #: Journal position of the wait that consumed it; null while buffered.
+    consumed_at_position = models.PositiveIntegerField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["run", "id"]
+        indexes = [models.Index(fields=["run", "name", "consumed_at_position"], name="durable_signal_pending_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.name} -> {self.run_id}"
+
+
+class Schedule(models.Model):
+    """A persisted schedule: starts ``workflow`` with ``input`` on a cron or an interval.
+
+    Driven by django-celery-beat: ``durable.schedules`` is the only writer of the
+    ``PeriodicTask`` row behind each schedule. A schedule has a quota of its own
+    (``concurrency_key``/``concurrency_limit``); a window refused by it is skipped
+    and written to ``last_error``.
+    """
+
+    name = models.CharField(max_length=200, unique=True)
+    workflow = models.CharField(max_length=255)
+    input = models.JSONField(default=dict, blank=True)
+    cron = models.CharField(max_length=120, blank=True, default="", help_text="minute hour day-of-month month day-of-week")
+    interval_seconds = models.PositiveIntegerField(null=True, blank=True)
+    timezone = models.CharField(max_length=63, default="UTC")
+    enabled = models.BooleanField(default=True)
+    namespace = models.CharField(max_length=100, default="default")
+    concurrency_key = models.CharField(max_length=200, blank=True, default="")
+    concurrency_limit = models.IntegerField(null=True, blank=True)
+    last_run_at = models.DateTimeField(null=True, blank=True)
+    last_run_id = models.CharField(max_length=255, blank=True, default="")
+    last_error = models.TextField(blank=True, default="")
+    last_error_at = models.DateTimeField(null=True, blank=True)
+    periodic_task = models.OneToOneField(
+        "django_celery_beat.PeriodicTask", null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(db_default=Now())
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(
+                condition=(models.Q(cron="") & models.Q(interval_seconds__isnull=False))
+                | (~models.Q(cron="") & models.Q(interval_seconds__isnull=True)),
+                name="durable_schedule_cron_xor_interval",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(concurrency_key="") | models.Q(concurrency_limit__isnull=False),
+                name="durable_schedule_key_has_limit",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
