@@ -164,7 +164,10 @@ def _resolve_key(spec: Concurrency, input: Any) -> str | None:
         return spec.key
     what = "key function" if spec.expression is None else f"key expression {spec.expression!r}"
     try:
-        key = spec.key(input) if spec.expression is None else spec._program.execute({"input": input})
+        if callable(spec.key):
+            key = spec.key(input)
+        else:
+            key = spec._program.execute({"input": input})
     except Exception as exc:
         raise exceptions.InvalidStartError(
             f"The concurrency {what} raised {type(exc).__name__}: {exc}. "

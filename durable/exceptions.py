@@ -102,6 +102,25 @@ class RunFailedError(DurableError):
     code = "run_failed"
 
 
+class InvalidScheduleError(DurableError, ValueError):
+    """The schedule was refused because some of its settings are invalid; nothing was saved."""
+
+    code = "invalid_schedule"
+
+    #: ``{field: [message, ...]}``, keyed by the ``Schedule`` model's field names.
+    errors: dict[str, list[str]]
+
+    def __init__(self, errors: dict[str, list[str]]) -> None:
+        message = " ".join(m for messages in errors.values() for m in messages)
+        super().__init__(message or None, errors=errors)
+
+
+class ScheduleNotFound(DurableError, LookupError):
+    """No schedule has this name."""
+
+    code = "schedule_not_found"
+
+
 class FatalError(Exception):
     """Raise in a step to fail it at once: a FatalError is never retried."""
 
@@ -116,6 +135,25 @@ class ChildWorkflowError(DurableError):
     """A child workflow failed (or could not be started)."""
 
     code = "child_failed"
+
+
+class SignalTimeout(DurableError, TimeoutError):
+    """No signal arrived before the wait's timeout."""
+
+    code = "signal_timeout"
+
+
+class Suspend(BaseException):
+    """Internal: the run parks until ``wake_at`` or until what it waits for arrives.
+
+    Raised by the workflow context; the executor catches it. A ``BaseException``
+    so that a workflow's ``except Exception`` does not swallow it.
+    """
+
+    def __init__(self, waiting_for: str, wake_at: Any = None) -> None:
+        super().__init__(waiting_for)
+        self.waiting_for = waiting_for
+        self.wake_at = wake_at
 
 
 class RunCancelled(BaseException):

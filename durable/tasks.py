@@ -1,4 +1,4 @@
-"""Thin Celery tasks: they take a run id and call the engine.
+"""Thin Celery tasks: they take ids and call the engine.
 
 Messages are JSON, acknowledged late and requeued when the worker process dies,
 so a crash never loses a run; the engine's compare-and-set claim makes a
@@ -7,21 +7,39 @@ duplicate delivery change nothing.
 
 from __future__ import annotations
 
+import logging
+from datetime import datetime
 from typing import Any
 
 from celery import shared_task
+from celery.signals import worker_ready
 
 from durable.conf import settings
 
+logger = logging.getLogger(__name__)
+
 EXECUTE_TASK = "durable.execute_run"
+WAKE_TASK = "durable.wake_run"
 SWEEP_TASK = "durable.sweep"
+#: What the ``PeriodicTask`` row of each persisted schedule sends (see ``durable.schedules``).
+FIRE_SCHEDULE_TASK = "durable.fire_schedule"
+
+_TASK_OPTIONS: dict[str, Any] = {"acks_late": True, "reject_on_worker_lost": True, "serializer": "json", "ignore_result": True}
 
 
-@shared_task(name=EXECUTE_TASK, acks_late=True, reject_on_worker_lost=True, serializer="json", ignore_result=True)
+@shared_task(name=EXECUTE_TASK, **_TASK_OPTIONS)
 def execute_run(run_id: str) -> None:
     from durable import engine
 
     engine.execute(run_id)
+
+
+@shared_task(name=WAKE_TASK, **_TASK_OPTIONS)
+def wake_run(run_id: str) -> None:
+    """The timer of a sleep or a signal timeout (a late or repeated one does nothing)."""
+    from durable import engine
+
+    engine.executor.wake_due(run_id)
 
 
 @shared_task(name=SWEEP_TASK, serializer="json", ignore_result=True)
@@ -31,17 +49,39 @@ def sweep() -> dict[str, list[str]]:
     return engine.sweep()
 
 
+@shared_task(
+    name=FIRE_SCHEDULE_TASK, acks_late=True, reject_on_worker_lost=True, serializer="json", ignore_result=True
+)
+def fire_schedule(schedule_id: int) -> None:
+    """Start the run of the schedule's current window (idempotent per window)."""
+    from durable import schedules
+
+    schedules.fire(int(schedule_id))
+
+
 def task_id(run_id: str, generation: int) -> str:
     """The Celery task id of a run's messages: the same for every message of one generation."""
     return f"{run_id}:{generation}"
 
 
-def send_run(run_id: str, *, task_id: str) -> None:
-    """Send one run to the workers (called on commit)."""
-    options: dict[str, Any] = {"serializer": "json", "task_id": task_id}
-    if settings.TASK_QUEUE:
-        options["queue"] = settings.TASK_QUEUE
-    execute_run.apply_async(args=(run_id,), **options)
+def _queue(queue: str = "") -> dict[str, Any]:
+    chosen = queue or settings.TASK_QUEUE
+    return {"queue": chosen} if chosen else {}
+
+
+def send_run(run_id: str, *, task_id: str, queue: str = "") -> None:
+    """Send one run to the workers (called on commit). ``queue``: a remote workflow's queue."""
+    execute_run.apply_async(args=(run_id,), task_id=task_id, serializer="json", **_queue(queue))
+
+
+def send_wake(run_id: str, *, eta: datetime, queue: str = "") -> None:
+    """Ask a worker to wake the run at ``eta``.
+
+    Only a fast path: Redis may deliver a long ETA twice (after its visibility
+    timeout), and a lost one is covered by the sweeper, which wakes due runs
+    from the database.
+    """
+    wake_run.apply_async(args=(run_id,), eta=eta, serializer="json", **_queue(queue))
 
 
 def revoke(task_id: str) -> None:
@@ -50,6 +90,26 @@ def revoke(task_id: str) -> None:
     Best effort: a message that still arrives finds the run cancelled and does nothing.
     """
     execute_run.app.control.revoke(task_id)
+
+
+def live_queues(timeout: float = 1.0) -> list[str]:
+    """The queues that live Celery workers consume (asks them; waits ``timeout`` seconds)."""
+    replies = execute_run.app.control.inspect(timeout=timeout).active_queues() or {}
+    return sorted({queue["name"] for queues in replies.values() for queue in queues})
+
+
+@worker_ready.connect
+def _unblock_on_worker_start(sender: Any = None, **kwargs: Any) -> None:
+    """A worker came up: runs blocked on the queues it consumes can go now."""
+    try:
+        queues = [q.name for q in sender.task_consumer.queues]
+        from durable import engine
+
+        unblocked = engine.executor.check_remote_queues(live_queues=queues)[1]
+        if unblocked:
+            logger.info("Unblocked %d runs waiting for queues %s.", len(unblocked), ", ".join(queues))
+    except Exception:  # a worker must start even if this fails: the sweeper covers it
+        logger.exception("Could not unblock runs on worker start")
 
 
 def beat_schedule() -> dict[str, dict[str, Any]]:

@@ -5,17 +5,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Union
 
 from django.utils import timezone
 
 from durable import exceptions
+from durable.status import TERMINAL_STATUSES, RunStatus
 from durable.stores.base import RunRecord, StepEntry
 from durable.util import check_json, describe_error
 
 if TYPE_CHECKING:
-    from durable.runtime.core import Engine
+    from durable.runtime.core import Engine, RunHandle
 
 logger = logging.getLogger(__name__)
 
@@ -68,19 +69,8 @@ class WorkflowContext:
         """
         if not isinstance(retries, int) or retries < 0:
             raise ValueError(f"retries must be a non-negative integer, got {retries!r}")
-        position = self._position
-        self._position += 1
-        recorded = self._journal.get(position)
+        position, recorded = self._next(name)
         if recorded is not None:
-            if recorded.name != name:
-                raise exceptions.NonDeterminismError(
-                    f"Run {self.run_id!r} recorded step {recorded.name!r} at position {position}, "
-                    f"but the workflow code now runs step {name!r} there. Deploy the new code under a "
-                    "new workflow version so in-flight runs finish on the old one.",
-                    position=position,
-                    recorded=recorded.name,
-                    current=name,
-                )
             if recorded.outcome == "completed":
                 return recorded.output
             raise StepFailedError(
@@ -93,9 +83,9 @@ class WorkflowContext:
         while True:
             attempt += 1
             try:
-                output = fn(*args, **kwargs)
-                check_json(output, what=f"the result of step {name!r}")
-            except exceptions.RunCancelled:
+                # What the step returns is what a replay will return: the JSON round trip.
+                output = check_json(fn(*args, **kwargs), what=f"the result of step {name!r}")
+            except (exceptions.RunCancelled, exceptions.Suspend):
                 raise
             except Exception as exc:
                 fatal = isinstance(exc, exceptions.FatalError) or isinstance(exc, exceptions.InvalidStartError)
@@ -116,7 +106,202 @@ class WorkflowContext:
         """The current time, journaled: a replay sees the same value."""
         return datetime.fromisoformat(self.step("durable.now", lambda: timezone.now().isoformat()))
 
+    # -- waiting -----------------------------------------------------------------------
+    def sleep(self, seconds: float) -> None:
+        """Park the run ``suspended`` for ``seconds``; no worker is held meanwhile.
+
+        The wake time is stored in the database, so the run wakes on time even if
+        every worker restarts in between.
+        """
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
+            raise ValueError(f"sleep() takes a non-negative number of seconds, got {seconds!r}")
+        self._sleep(lambda: timezone.now() + timedelta(seconds=seconds))
+
+    def sleep_until(self, when: datetime) -> None:
+        """Park the run ``suspended`` until ``when`` (an aware datetime)."""
+        if not isinstance(when, datetime) or timezone.is_naive(when):
+            raise ValueError(f"sleep_until() takes an aware datetime, got {when!r}")
+        self._sleep(lambda: when)
+
+    def _sleep(self, until: Callable[[], datetime]) -> None:
+        position, recorded = self._next("durable.sleep")
+        if recorded is not None and recorded.outcome == "completed":
+            return
+        wake_at = self._deadline(position, recorded, "durable.sleep", until)
+        assert wake_at is not None
+        if timezone.now() >= wake_at:
+            self._record(StepEntry(position, "durable.sleep", "completed", output={"until": wake_at.isoformat()}))
+            return
+        raise exceptions.Suspend("sleep", wake_at)
+
+    def wait_for_signal(self, name: str, timeout: float | None = None) -> Any:
+        """Wait until signal ``name`` is sent to this run and return its payload.
+
+        The run is parked ``suspended`` meanwhile. A signal sent before the run
+        waits is buffered, not lost. After ``timeout`` seconds without the signal,
+        raises ``SignalTimeout`` (which the workflow may catch).
+        """
+        if not isinstance(name, str) or not name or len(name) > 255:
+            raise ValueError(f"A signal name must be a string of 1 to 255 characters, got {name!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
+            raise ValueError(f"timeout must be None or a non-negative number of seconds, got {timeout!r}")
+        step_name = f"durable.signal:{name}"
+        position, recorded = self._next(step_name)
+        if recorded is not None and recorded.outcome == "completed":
+            return recorded.output["payload"]
+        if recorded is not None and recorded.outcome == "failed":
+            raise exceptions.SignalTimeout(recorded.error["message"], signal=name)
+        found, payload = self.engine.store.consume_signal(
+            self.run_id, self._lease, name, StepEntry(position, step_name, "completed")
+        )
+        if found:
+            return payload
+        self.engine.ensure_running(self.run_id, self._lease)
+        deadline = None
+        if timeout is not None:
+            deadline = self._deadline(position, recorded, step_name, lambda: timezone.now() + timedelta(seconds=timeout))
+            assert deadline is not None
+            if timezone.now() >= deadline:
+                message = f"No signal {name!r} arrived within {timeout}s."
+                error = {"type": "durable.exceptions.SignalTimeout", "message": message}
+                self._record(StepEntry(position, step_name, "failed", error=error))
+                raise exceptions.SignalTimeout(message, signal=name)
+        raise exceptions.Suspend(f"signal:{name}", deadline)
+
+    # -- children ------------------------------------------------------------------------
+    def child(
+        self,
+        workflow: Any,
+        input: Any = None,
+        run_id: str | None = None,
+        concurrency: Any = None,
+    ) -> Any:
+        """Start a child workflow and wait for it; return its output.
+
+        Raises ``ChildWorkflowError`` when the child fails, is cancelled, or could
+        not start (its ``__cause__`` is then the ``ConcurrencyLimitError``).
+        """
+        name = _workflow_name(workflow)
+        step_name = f"durable.child:{name}"
+        position, recorded = self._next(step_name)
+        if recorded is not None and recorded.outcome == "completed":
+            return recorded.output["output"]
+        if recorded is not None and recorded.outcome == "failed":
+            raise _child_error(recorded.error)
+        if recorded is not None:  # waiting: started before
+            child_id = recorded.output["run_id"]
+        else:
+            child_id = self._start_child(name, input, run_id, concurrency, position, step_name).run_id
+            self._record(StepEntry(position, step_name, "waiting", output={"run_id": child_id}))
+        child = self.engine.store.get_run(child_id)
+        assert child is not None
+        if child.status in TERMINAL_STATUSES:
+            if child.status == RunStatus.COMPLETED:
+                self._record(StepEntry(position, step_name, "completed", output={"run_id": child_id, "output": child.output}))
+                return child.output
+            error = _child_failure(child)
+            self._record(StepEntry(position, step_name, "failed", output={"run_id": child_id}, error=error))
+            raise _child_error(error)
+        raise exceptions.Suspend(f"child:{child_id}")
+
+    def start_child(
+        self,
+        workflow: Any,
+        input: Any = None,
+        run_id: str | None = None,
+        concurrency: Any = None,
+    ) -> RunHandle:
+        """Start a child workflow without waiting; return its handle (journaled: a
+        replay returns the same child). Raises ``ChildWorkflowError`` if it could not start."""
+        name = _workflow_name(workflow)
+        step_name = f"durable.start_child:{name}"
+        position, recorded = self._next(step_name)
+        if recorded is not None and recorded.outcome == "completed":
+            return self.engine.get_run(recorded.output["run_id"])
+        if recorded is not None and recorded.outcome == "failed":
+            raise _child_error(recorded.error)
+        handle = self._start_child(name, input, run_id, concurrency, position, step_name)
+        self._record(StepEntry(position, step_name, "completed", output={"run_id": handle.run_id}))
+        return handle
+
+    def _start_child(
+        self, name: str, input: Any, run_id: str | None, concurrency: Any, position: int, step_name: str
+    ) -> RunHandle:
+        self.engine.ensure_running(self.run_id, self._lease)
+        child_id = run_id or f"{self.run_id}:{position}"
+        try:
+            return self.engine.in_namespace(self.run.namespace).start(
+                name, input, run_id=child_id, concurrency=concurrency, parent_run_id=self.run_id
+            )
+        except exceptions.ConcurrencyLimitError as exc:
+            error = {
+                "type": "durable.exceptions.ChildWorkflowError",
+                "message": f"Child workflow {name!r} could not start: {exc}",
+                "cause": {"code": exc.code, **{k: v for k, v in exc.fields.items()}},
+            }
+            self._record(StepEntry(position, step_name, "failed", error=error))
+            raise _child_error(error) from exc
+
+    # -- journal ---------------------------------------------------------------------------
+    def _next(self, name: str) -> tuple[int, StepEntry | None]:
+        """Take the next journal position; check a recorded entry there has ``name``."""
+        position = self._position
+        self._position += 1
+        recorded = self._journal.get(position)
+        if recorded is not None and recorded.name != name:
+            raise exceptions.NonDeterminismError(
+                f"Run {self.run_id!r} recorded step {recorded.name!r} at position {position}, "
+                f"but the workflow code now runs step {name!r} there. Deploy the new code under a "
+                "new workflow version so in-flight runs finish on the old one.",
+                position=position,
+                recorded=recorded.name,
+                current=name,
+            )
+        return position, recorded
+
+    def _deadline(
+        self, position: int, recorded: StepEntry | None, name: str, compute: Callable[[], datetime]
+    ) -> datetime | None:
+        """The deadline journaled at ``position``, or computed now and journaled (``waiting``)."""
+        if recorded is not None and recorded.outcome == "waiting":
+            return datetime.fromisoformat(recorded.output["until"])
+        until = compute()
+        self._record(StepEntry(position, name, "waiting", output={"until": until.isoformat()}))
+        return until
+
     def _record(self, entry: StepEntry) -> None:
         if not self.engine.store.record_step(self.run_id, self._lease, entry):
             # Cancelled (or taken over after we were presumed dead): stop here.
             raise exceptions.RunCancelled(self.run_id)
+
+
+def _workflow_name(workflow: Any) -> str:
+    name = workflow if isinstance(workflow, str) else getattr(workflow, "name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"A child workflow is a DurableWorkflow class or a workflow name, got {workflow!r}")
+    return name
+
+
+def _child_failure(child: RunRecord) -> dict[str, Any]:
+    reason = (child.error or {}).get("message", "") if isinstance(child.error, dict) else ""
+    return {
+        "type": "durable.exceptions.ChildWorkflowError",
+        "message": f"Child run {child.run_id!r} ({child.workflow}) ended {child.status}" + (f": {reason}" if reason else "."),
+        "child": {"run_id": child.run_id, "status": child.status, "error": child.error},
+    }
+
+
+def _child_error(error: dict[str, Any]) -> exceptions.ChildWorkflowError:
+    """The ChildWorkflowError a journal entry describes; a refused start keeps its
+    ConcurrencyLimitError as ``__cause__``, on replay too."""
+    exc = exceptions.ChildWorkflowError(error["message"], child=error.get("child"))
+    cause = error.get("cause")
+    if cause:
+        fields = {k: cause[k] for k in ("workflow", "key", "limit", "active")}
+        if cause.get("code") == exceptions.ConcurrencyQueueFullError.code:
+            exc.__cause__ = exceptions.ConcurrencyQueueFullError(
+                **fields, queued=cause["queued"], max_queued=cause["max_queued"]
+            )
+        else:
+            exc.__cause__ = exceptions.ConcurrencyLimitError(**fields)
+    return exc

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from datetime import timedelta
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.utils import timezone
@@ -19,11 +15,11 @@ from durable import concurrency as _concurrency
 from durable import exceptions
 from durable.conf import settings
 from durable.runtime import admission
-from durable.runtime.context import WorkflowContext
+from durable.runtime.execution import Executor
 from durable.runtime.registry import Definition, Registry, WorkflowFn, default_registry
 from durable.status import ACTIVE_STATUSES, TERMINAL_STATUSES, RunStatus
 from durable.stores.base import RunExists, RunRecord, Store
-from durable.util import check_json, describe_error
+from durable.util import check_json
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +38,8 @@ class CeleryDispatch:
     def __call__(self, engine: Engine, run: RunRecord) -> None:
         from durable import tasks
 
-        run_id, task_id = run.run_id, tasks.task_id(run.run_id, run.generation)
-        engine.store.on_commit(lambda: tasks.send_run(run_id, task_id=task_id))
+        run_id, task_id, queue = run.run_id, tasks.task_id(run.run_id, run.generation), run.queue
+        engine.store.on_commit(lambda: tasks.send_run(run_id, task_id=task_id, queue=queue))
 
     def revoke(self, engine: Engine, run: RunRecord) -> None:
         from durable import tasks
@@ -111,6 +107,10 @@ class RunHandle:
         self._record = self._engine.cancel(self.run_id)._record
         return self
 
+    def signal(self, name: str, payload: Any = None) -> RunHandle:
+        self._record = self._engine.signal(self.run_id, name, payload)._record
+        return self
+
 
 class Engine:
     """Starts, executes and reads runs.
@@ -135,6 +135,7 @@ class Engine:
         self.dispatch = dispatch
         self.registry = registry or default_registry
         self.promoter = admission.Promoter(self)
+        self.executor = Executor(self)
 
     @property
     def store(self) -> Store:
@@ -157,6 +158,14 @@ class Engine:
         """The namespace reads and quota counts are fenced to, or None (every namespace)."""
         return self.namespace if self.scope_reads else None
 
+    def in_namespace(self, namespace: str) -> Engine:
+        """This engine for another namespace (same store, dispatcher, registry, fencing)."""
+        if namespace == self.namespace:
+            return self
+        return Engine(
+            self._store, namespace=namespace, scope_reads=self._scope_reads, dispatch=self.dispatch, registry=self.registry
+        )
+
     # -- declaring -------------------------------------------------------------
     def register(
         self,
@@ -164,9 +173,34 @@ class Engine:
         version: str,
         fn: WorkflowFn,
         concurrency: _concurrency.ConcurrencySpec = None,
+        *,
+        on_events: Sequence[str] = (),
     ) -> Definition:
-        """Register ``fn(ctx, input)`` as workflow ``name`` at ``version``."""
-        return self.registry.register(name, version, fn, concurrency)
+        """Register ``fn(ctx, input)`` as workflow ``name`` at ``version``.
+
+        The version registered last is the one new runs start on; runs in flight
+        finish on the version they started on. ``on_events`` lists the event names
+        that start it (``emit``).
+        """
+        return self.registry.register(name, version, fn, concurrency, on_events=on_events)
+
+    def register_remote(
+        self,
+        name: str,
+        version: str,
+        *,
+        queue: str,
+        concurrency: _concurrency.ConcurrencySpec = None,
+    ) -> Definition:
+        """Declare a workflow whose body runs in another service, on the Celery
+        workers that consume ``queue`` (where it is registered with its body).
+
+        Starting it here applies its quota; while no live worker consumes the
+        queue its runs are ``blocked`` (and hold their slots by default).
+        """
+        if not isinstance(queue, str) or not queue:
+            raise ValueError(f"register_remote() needs the queue its workers consume, got {queue!r}.")
+        return self.registry.register(name, version, None, concurrency, queue=queue)
 
     # -- starting --------------------------------------------------------------
     def start(
@@ -176,14 +210,16 @@ class Engine:
         run_id: str | None = None,
         concurrency: _concurrency.ConcurrencySpec = None,
         *,
+        version: str | None = None,
         parent_run_id: str | None = None,
     ) -> RunHandle:
         """Create a run of workflow ``name`` under its quota and hand it to a worker.
 
         Raises ``ConcurrencyLimitError`` (creating nothing) when a quota is full,
-        ``InvalidStartError`` for bad input, ``UnknownWorkflowError``.
+        ``InvalidStartError`` for bad input, ``UnknownWorkflowError``. ``version``
+        picks a registered version (default: the one registered last).
         """
-        definition = self.registry.current(name)
+        definition = self.registry.current(name) if version is None else self.registry.get(name, str(version))
         input = check_json(input, what="the workflow input")
         if run_id is not None:
             _check_run_id(run_id)
@@ -200,6 +236,7 @@ class Engine:
             status=RunStatus.PENDING,
             input=input,
             parent_run_id=parent_run_id,
+            queue=definition.queue,
         )
         tags = [q.tag for q in quotas]
         try:
@@ -210,7 +247,7 @@ class Engine:
                     record.error = {"type": "durable.cancel_newest", "message": decision.reason}
                     record.finished_at = timezone.now()
                 self.store.create_run(record, tags)
-                for victim in decision.victims:
+                for victim in decision.victims:  # CANCEL_IN_PROGRESS
                     self._cancel(victim, reason=f"Cancelled to make room for run {record.run_id!r} (CANCEL_IN_PROGRESS).")
         except RunExists:
             # Another starter created the same explicit run id first.
@@ -282,11 +319,14 @@ class Engine:
         return self.get_run(run_id)
 
     def _cancel(self, run: RunRecord, *, reason: str) -> bool:
+        """Cancel one run, revoke its pending messages, cancel its children."""
         cancelled = self.store.transition(
             run.run_id,
             from_statuses=ACTIVE_STATUSES,
             to=RunStatus.CANCELLED,
             lease="",
+            waiting_for="",
+            wake_at=None,
             error={"type": "durable.cancelled", "message": reason},
             finished_at=timezone.now(),
         )
@@ -294,14 +334,10 @@ class Engine:
             revoke = getattr(self.dispatch, "revoke", None)
             if revoke is not None:
                 revoke(self, run)
-            self._released(run.run_id)
+            for child in self.store.active_children(run.run_id):
+                self._cancel(child, reason=f"Cancelled with its parent run {run.run_id!r}.")
+            self.executor.ended(run)
         return cancelled
-
-    def _released(self, run_id: str) -> None:
-        """A run left the counted statuses: hand its keys' free slots to queued runs."""
-        keys = self.store.run_keys(run_id)
-        if keys:
-            self.store.on_commit(lambda: self.promoter.promote(keys))
 
     def retry(self, run_id: str, concurrency: _concurrency.ConcurrencySpec = None) -> RunHandle:
         """Start a failed, dead or cancelled run again, under its workflow's quota
@@ -336,100 +372,82 @@ class Engine:
         self.dispatch(self, handle.record)
         return handle
 
-    # -- executing ---------------------------------------------------------------
+    # -- signals and events --------------------------------------------------------
+    def signal(self, run_id: str, name: str, payload: Any = None) -> RunHandle:
+        """Send signal ``name`` to a run. A run waiting for it resumes; otherwise the
+        signal is buffered until the run waits for it. ``RunTerminalError`` if the run has finished."""
+        if not isinstance(name, str) or not name or len(name) > 255 or "\x00" in name:
+            raise exceptions.InvalidStartError(f"A signal name must be a string of 1 to 255 characters, got {name!r}.")
+        payload = check_json(payload, what="the signal payload")
+        self._load(run_id)  # RunNotFound, also for another namespace's run
+        run = self.store.add_signal(run_id, name, payload)
+        assert run is not None
+        if run.status in TERMINAL_STATUSES:
+            raise exceptions.RunTerminalError(
+                f"Run {run_id!r} is already {run.status}; it cannot receive signals.", run_id=run_id, status=run.status
+            )
+        self.executor.resume(run, waiting_for=f"signal:{name}")
+        return self.get_run(run_id)
+
+    def emit(self, name: str, payload: Any = None, event_id: str | None = None) -> EmitResult:
+        """Start every workflow subscribed to event ``name`` with ``payload`` as input.
+
+        A subscriber refused by its quota (or by bad input) is skipped and listed
+        in the result; the others still start. With ``event_id``, each subscriber's
+        run id is ``event:<event_id>:<workflow>``, so the same event never starts a
+        subscriber twice.
+        """
+        if not isinstance(name, str) or not name:
+            raise exceptions.InvalidStartError(f"An event name must be a non-empty string, got {name!r}.")
+        if event_id is not None and (not isinstance(event_id, str) or not event_id):
+            raise exceptions.InvalidStartError(f"An event id must be a non-empty string, got {event_id!r}.")
+        result = EmitResult(event=name, event_id=event_id)
+        for definition in self.registry.subscribers(name):
+            run_id = None if event_id is None else f"event:{event_id}:{definition.name}"
+            try:
+                handle = self.start(definition.name, payload, run_id=run_id)
+            except exceptions.DurableError as exc:
+                logger.warning("Event %s (%s) skipped subscriber %s: %s", name, event_id, definition.name, exc)
+                result.skipped.append(SkippedSubscriber(definition.name, exc))
+                continue
+            (result.started if handle.created else result.duplicates).append(handle)
+        return result
+
+    # -- executing -------------------------------------------------------------------
     def execute(self, run_id: str) -> None:
         """Execute (or resume) a run: what a Celery worker calls with a run id.
 
         A delivery that finds the run owned by a live execution, or finished,
         changes nothing.
         """
-        lease = uuid.uuid4().hex
-        stale_before = timezone.now() - timedelta(seconds=float(settings.STALE_AFTER))
-        record = self.store.claim(run_id, lease=lease, worker=_worker_name(), stale_before=stale_before)
-        if record is None:
-            logger.debug("Run %s is not pending (or is owned by a live worker); nothing to do.", run_id)
-            return
-        if record.attempt > int(settings.MAX_ATTEMPTS):
-            message = f"Gave up after {record.attempt - 1} attempts: the worker kept dying."
-            self._finish(run_id, lease, RunStatus.DEAD, error={"type": "durable.dead", "message": message})
-            logger.error("Run %s is dead after %d attempts.", run_id, record.attempt - 1)
-            return
-        try:
-            definition = self.registry.get(record.workflow, record.version)
-        except exceptions.UnknownWorkflowError as exc:
-            self._finish(run_id, lease, RunStatus.FAILED, error=describe_error(exc))
-            return
-        ctx = WorkflowContext(self, record, lease, self.store.load_steps(run_id))
-        with self._heartbeat(run_id, lease):
-            try:
-                output = definition.fn(ctx, record.input)
-                output = check_json(output, what=f"the output of workflow {record.workflow!r}")
-            except exceptions.RunCancelled:
-                logger.info("Run %s stopped: it was cancelled.", run_id)
-                return
-            except Exception as exc:
-                logger.info("Run %s failed: %s", run_id, exc)
-                self._finish(run_id, lease, RunStatus.FAILED, error=describe_error(exc))
-                return
-        self._finish(run_id, lease, RunStatus.COMPLETED, output=output)
-
-    def _finish(self, run_id: str, lease: str, status: str, *, output: Any = None, error: Any = None) -> None:
-        if self.store.finish(run_id, lease, status=status, output=output, error=error):
-            self._released(run_id)
+        self.executor.execute(run_id)
 
     def ensure_running(self, run_id: str, lease: str) -> None:
-        """Raise ``RunCancelled`` when the run no longer belongs to this execution."""
-        record = self.store.get_run(run_id)
-        if record is None or record.status != RunStatus.RUNNING or record.lease != lease:
-            raise exceptions.RunCancelled(run_id)
+        self.executor.ensure_running(run_id, lease)
 
-    @contextmanager
-    def _heartbeat(self, run_id: str, lease: str) -> Iterator[None]:
-        stop = threading.Event()
-        interval = float(settings.HEARTBEAT_INTERVAL)
-
-        def beat() -> None:
-            try:
-                while not stop.wait(interval):
-                    if not self.store.heartbeat(run_id, lease):
-                        return
-            except Exception:  # never let a heartbeat failure kill the worker
-                logger.exception("Heartbeat of run %s failed", run_id)
-            finally:
-                release = getattr(self.store, "release_thread", None)
-                if release is not None:
-                    release()
-
-        thread = threading.Thread(target=beat, name=f"durable-heartbeat-{run_id}", daemon=True)
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join()
-
-    # -- recovery ------------------------------------------------------------------
     def sweep(self) -> dict[str, list[str]]:
-        """Hand orphaned runs (dead worker) and undelivered runs (lost message) to
-        workers again, and queued runs to keys that have room (a backstop for the
-        hand-off that every release does)."""
-        now = timezone.now()
-        orphaned = self.store.orphaned_runs(now - timedelta(seconds=float(settings.STALE_AFTER)))
-        undelivered = self.store.undelivered_runs(now - timedelta(seconds=float(settings.REDISPATCH_AFTER)))
-        runs = orphaned + undelivered
-        if runs:
-            self.store.mark_dispatched([r.run_id for r in runs])
-            for run in runs:
-                self.dispatch(self, run)
-            logger.warning("Sweep re-dispatched %d orphaned and %d undelivered runs.", len(orphaned), len(undelivered))
-        promoted = self.promoter.promote(self.store.keys_with_queued())
-        if promoted:
-            logger.warning("Sweep started %d queued runs whose keys had room.", len(promoted))
-        return {
-            "orphaned": [r.run_id for r in orphaned],
-            "undelivered": [r.run_id for r in undelivered],
-            "promoted": promoted,
-        }
+        """The periodic backstop: re-send orphaned runs (dead worker) and undelivered
+        ones (lost message), wake due sleepers, start queued runs whose keys have
+        room, and block or unblock runs of remote queues."""
+        return self.executor.sweep()
+
+
+@dataclass
+class SkippedSubscriber:
+    workflow: str
+    error: Exception
+
+
+@dataclass
+class EmitResult:
+    """What ``engine.emit`` did: runs started, runs that existed already for this
+    event id (not started twice), and subscribers skipped with the reason."""
+
+    event: str
+    event_id: str | None
+    started: list[RunHandle] = field(default_factory=list)
+    duplicates: list[RunHandle] = field(default_factory=list)
+    skipped: list[SkippedSubscriber] = field(default_factory=list)
 
 
 _RETRYABLE = (RunStatus.FAILED, RunStatus.DEAD, RunStatus.CANCELLED)
@@ -438,7 +456,7 @@ _RETRYABLE = (RunStatus.FAILED, RunStatus.DEAD, RunStatus.CANCELLED)
 def _per_start(spec: _concurrency.ConcurrencySpec) -> tuple[_concurrency.Concurrency, ...]:
     specs = _concurrency.normalize(spec)
     for c in specs:
-        if callable(c.key) or callable(c.limit):
+        if not c.is_static:
             raise exceptions.InvalidStartError(
                 "A per-start Concurrency takes a plain string key and an integer limit."
             )
@@ -454,5 +472,4 @@ def _check_run_id(run_id: Any) -> None:
         raise exceptions.InvalidStartError(f"A run id must be a string of 1 to 255 characters, got {run_id!r}.")
 
 
-def _worker_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{threading.current_thread().name}"
+

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +16,13 @@ WorkflowFn = Callable[[Any, Any], Any]
 class Definition:
     name: str
     version: str
-    fn: WorkflowFn
+    #: The body; None for a remote workflow, whose body runs in another service.
+    fn: WorkflowFn | None
     concurrency: tuple[concurrency.Concurrency, ...] = ()
+    #: Celery queue of the runs ("" for the default queue).
+    queue: str = ""
+    #: Event names that start this workflow (``engine.emit``).
+    on_events: tuple[str, ...] = ()
 
 
 class Registry:
@@ -30,16 +35,27 @@ class Registry:
         self,
         name: str,
         version: str,
-        fn: WorkflowFn,
+        fn: WorkflowFn | None,
         concurrency_spec: concurrency.ConcurrencySpec = None,
+        *,
+        queue: str = "",
+        on_events: Sequence[str] = (),
     ) -> Definition:
         if not isinstance(name, str) or not name or len(name) > 255:
             raise ValueError(f"A workflow name must be a non-empty string of at most 255 characters, got {name!r}.")
         if not isinstance(version, str) or not version or len(version) > 64:
             raise ValueError(f"A workflow version must be a non-empty string of at most 64 characters, got {version!r}.")
-        if not callable(fn):
+        if fn is None and not queue:
+            raise TypeError(f"Workflow {name!r} needs a body, or a queue if it is remote.")
+        if fn is not None and not callable(fn):
             raise TypeError(f"The body of workflow {name!r} must be callable, got {fn!r}.")
-        definition = Definition(name, version, fn, concurrency.normalize(concurrency_spec))
+        if not isinstance(queue, str) or len(queue) > 200:
+            raise ValueError(f"A queue name must be a string of at most 200 characters, got {queue!r}.")
+        if isinstance(on_events, str) or not all(isinstance(e, str) and e for e in on_events):
+            raise ValueError(f"on_events must be a list of event names, got {on_events!r}.")
+        definition = Definition(
+            name, version, fn, concurrency.normalize(concurrency_spec), queue, tuple(on_events)
+        )
         with self._lock:
             self._versions.setdefault(name, {})[version] = definition
             # The version registered last is the one new runs start on.
@@ -67,6 +83,12 @@ class Registry:
 
     def names(self) -> list[str]:
         return sorted(self._versions)
+
+    def subscribers(self, event: str) -> list[Definition]:
+        """The current version of every workflow started by ``event``."""
+        with self._lock:
+            current = [self._versions[name][version] for name, version in sorted(self._current.items())]
+        return [d for d in current if event in d.on_events]
 
     def unregister(self, name: str) -> None:
         with self._lock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from durable import concurrency as _concurrency
@@ -19,6 +20,8 @@ class DurableWorkflow:
     name: ClassVar[str] = ""
     version: ClassVar[str] = "1"
     concurrency: ClassVar[_concurrency.ConcurrencySpec] = None
+    #: Event names that start this workflow (``engine.emit``).
+    on_events: ClassVar[Sequence[str]] = ()
     engine: ClassVar[Engine | None] = None
     #: Set on an intermediate base class that must not be registered itself.
     abstract: ClassVar[bool] = False
@@ -31,7 +34,7 @@ class DurableWorkflow:
             raise TypeError(f"{cls.__qualname__} must set a workflow `name` (or `abstract = True`).")
         if cls.run is DurableWorkflow.run:
             raise TypeError(f"{cls.__qualname__} must define run(self, ctx, input).")
-        cls._engine().register(cls.name, str(cls.version), cls._execute, cls.concurrency)
+        cls._engine().register(cls.name, str(cls.version), cls._execute, cls.concurrency, on_events=cls.on_events)
 
     @classmethod
     def _engine(cls) -> Engine:
@@ -55,7 +58,8 @@ class DurableWorkflow:
         run_id: str | None = None,
         concurrency: _concurrency.ConcurrencySpec = None,
     ) -> RunHandle:
-        return cls._engine().start(cls.name, input, run_id=run_id, concurrency=concurrency)
+        # This class's own version, also when a newer version of the workflow is registered.
+        return cls._engine().start(cls.name, input, run_id=run_id, concurrency=concurrency, version=str(cls.version))
 
     @classmethod
     def dispatch(cls, input: Any = None, concurrency: _concurrency.ConcurrencySpec = None) -> RunHandle:

@@ -6,7 +6,7 @@ may leave out ``count_runs``: the engine then counts with ``len(list_runs(...))`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -32,6 +32,9 @@ class RunRecord:
     attempt: int = 0
     generation: int = 0
     parent_run_id: str | None = None
+    queue: str = ""
+    waiting_for: str = ""
+    wake_at: datetime | None = None
     lease: str = ""
     worker: str = ""
     created_at: datetime | None = None
@@ -81,8 +84,17 @@ class Store(Protocol):
 
     # -- state changes (compare-and-set) -----------------------------------
     def transition(
-        self, run_id: str, *, from_statuses: Sequence[str], to: str, **fields: Any
-    ) -> bool: ...
+        self,
+        run_id: str,
+        *,
+        from_statuses: Sequence[str],
+        to: str,
+        expect: Mapping[str, Any] | None = None,
+        **fields: Any,
+    ) -> bool:
+        """Compare-and-set: move the run to ``to`` (setting ``fields``) only if its
+        status is in ``from_statuses`` and its fields equal ``expect``."""
+        ...
 
     def claim(
         self, run_id: str, *, lease: str, worker: str, stale_before: datetime
@@ -101,7 +113,35 @@ class Store(Protocol):
     # -- journal -------------------------------------------------------------
     def load_steps(self, run_id: str) -> list[StepEntry]: ...
 
-    def record_step(self, run_id: str, lease: str, step: StepEntry) -> bool: ...
+    def record_step(self, run_id: str, lease: str, step: StepEntry) -> bool:
+        """Journal ``step`` (replacing a ``waiting`` entry at its position); False when
+        the run no longer belongs to ``lease``."""
+        ...
+
+    # -- waiting -----------------------------------------------------------------
+    def suspend(self, run_id: str, lease: str, *, waiting_for: str, wake_at: datetime | None) -> bool:
+        """Park the run ``suspended``, unless what it waits for (a buffered signal, a
+        finished child) is already there: then return False and leave it running."""
+        ...
+
+    def add_signal(self, run_id: str, name: str, payload: Any) -> RunRecord | None:
+        """Buffer a signal for the run (holding its row, so a concurrent ``suspend``
+        sees it); the run as it was, or None when there is no such run."""
+        ...
+
+    def consume_signal(self, run_id: str, lease: str, name: str, step: StepEntry) -> tuple[bool, Any]:
+        """Take the oldest buffered signal ``name`` and journal ``step`` with its payload, atomically."""
+        ...
+
+    def active_children(self, run_id: str) -> list[RunRecord]: ...
+
+    def due_runs(self, now: datetime) -> list[RunRecord]:
+        """Suspended runs whose ``wake_at`` has come."""
+        ...
+
+    def runs_on_queues(self, statuses: Sequence[str]) -> list[RunRecord]:
+        """Runs in ``statuses`` whose messages go to a queue of their own (remote workflows)."""
+        ...
 
     # -- strategies ------------------------------------------------------------
     def run_keys(self, run_id: str) -> list[str]:

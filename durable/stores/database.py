@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -12,9 +13,8 @@ from django.db.models import F, Min, Q
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from durable.concurrency import Quota
-from durable.status import RunStatus
-from durable.concurrency import TAG_PREFIX
+from durable.concurrency import TAG_PREFIX, Quota
+from durable.status import TERMINAL_STATUSES, RunStatus
 from durable.stores.base import RunExists, RunRecord, StepEntry, group_keys
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 _RECORD_FIELDS = (
     "run_id", "workflow", "version", "namespace", "status", "input", "output", "error",
     "attempt", "generation", "lease", "worker", "created_at", "updated_at", "started_at", "finished_at",
-    "heartbeat_at", "dispatched_at",
+    "heartbeat_at", "dispatched_at", "queue", "waiting_for", "wake_at",
 )  # fmt: skip
 
 
@@ -124,6 +124,7 @@ class DjangoStore:
             status=record.status,
             input=record.input,
             error=record.error,
+            queue=record.queue,
             parent_id=parent_id,
             dispatched_at=timezone.now(),
             finished_at=record.finished_at,
@@ -155,9 +156,15 @@ class DjangoStore:
         return True
 
     def transition(
-        self, run_id: str, *, from_statuses: Sequence[str], to: str, **fields: Any
+        self,
+        run_id: str,
+        *,
+        from_statuses: Sequence[str],
+        to: str,
+        expect: Mapping[str, Any] | None = None,
+        **fields: Any,
     ) -> bool:
-        qs = self._runs().filter(run_id=run_id, status__in=list(from_statuses))
+        qs = self._runs().filter(run_id=run_id, status__in=list(from_statuses), **(expect or {}))
         return self._set_status(qs, to, **fields)
 
     def claim(
@@ -165,7 +172,9 @@ class DjangoStore:
     ) -> RunRecord | None:
         now = timezone.now()
         qs = self._runs().filter(run_id=run_id).filter(
-            Q(status=RunStatus.PENDING) | Q(status=RunStatus.RUNNING, heartbeat_at__lt=stale_before)
+            # A worker that got the message of a blocked run proves its queue is served.
+            Q(status__in=[RunStatus.PENDING, RunStatus.BLOCKED])
+            | Q(status=RunStatus.RUNNING, heartbeat_at__lt=stale_before)
         )
         claimed = self._set_status(
             qs,
@@ -228,30 +237,103 @@ class DjangoStore:
         )
         return [StepEntry(*row) for row in rows]
 
+    def _owned_run(self, run_id: str, lease: str) -> int | None:
+        """Lock the run's row if it is running under ``lease``; its primary key, or None."""
+        return (
+            self._runs()
+            .select_for_update()
+            .filter(run_id=run_id, status=RunStatus.RUNNING, lease=lease)
+            .values_list("pk", flat=True)
+            .first()
+        )
+
+    def _write_step(self, run: int, step: StepEntry) -> None:
+        _models().StepRecord.objects.using(self.using).update_or_create(
+            run_id=run,
+            position=step.position,
+            defaults={
+                "name": step.name,
+                "outcome": step.outcome,
+                "output": step.output,
+                "error": step.error,
+                "attempts": step.attempts,
+                "started_at": step.started_at,
+                "finished_at": timezone.now(),
+            },
+        )
+        self._runs().filter(pk=run).update(heartbeat_at=timezone.now())
+
     def record_step(self, run_id: str, lease: str, step: StepEntry) -> bool:
-        models = _models()
         with transaction.atomic(using=self.using):
-            run = (
-                self._runs()
-                .select_for_update()
-                .filter(run_id=run_id, status=RunStatus.RUNNING, lease=lease)
-                .values_list("pk", flat=True)
-                .first()
-            )
+            run = self._owned_run(run_id, lease)
             if run is None:
                 return False
-            models.StepRecord.objects.using(self.using).create(
-                run_id=run,
-                position=step.position,
-                name=step.name,
-                outcome=step.outcome,
-                output=step.output,
-                error=step.error,
-                attempts=step.attempts,
-                started_at=step.started_at,
-            )
-            self._runs().filter(pk=run).update(heartbeat_at=timezone.now())
+            self._write_step(run, step)
         return True
+
+    # -- waiting -----------------------------------------------------------------
+    def suspend(self, run_id: str, lease: str, *, waiting_for: str, wake_at: datetime | None) -> bool:
+        models = _models()
+        with transaction.atomic(using=self.using):
+            run = self._owned_run(run_id, lease)
+            if run is None:
+                return False
+            kind, _, target = waiting_for.partition(":")
+            if kind == "signal" and models.Signal.objects.using(self.using).filter(
+                run_id=run, name=target, consumed_at_position__isnull=True
+            ).exists():
+                return False
+            if kind == "child" and self._runs().filter(run_id=target, status__in=TERMINAL_STATUSES).exists():
+                return False
+            return self._set_status(
+                self._runs().filter(pk=run),
+                RunStatus.SUSPENDED,
+                waiting_for=waiting_for,
+                wake_at=wake_at,
+                lease="",
+                attempt=0,
+            )
+
+    def add_signal(self, run_id: str, name: str, payload: Any) -> RunRecord | None:
+        with transaction.atomic(using=self.using):
+            run = self._runs().select_for_update().filter(run_id=run_id).first()
+            if run is None:
+                return None
+            if run.status not in TERMINAL_STATUSES:
+                _models().Signal.objects.using(self.using).create(run=run, name=name, payload=payload)
+            return to_record(run)
+
+    def consume_signal(self, run_id: str, lease: str, name: str, step: StepEntry) -> tuple[bool, Any]:
+        Signal = _models().Signal
+        with transaction.atomic(using=self.using):
+            run = self._owned_run(run_id, lease)
+            if run is None:
+                return False, None
+            signal = (
+                Signal.objects.using(self.using)
+                .select_for_update()
+                .filter(run_id=run, name=name, consumed_at_position__isnull=True)
+                .order_by("id")
+                .first()
+            )
+            if signal is None:
+                return False, None
+            signal.consumed_at_position = step.position
+            signal.save(update_fields=["consumed_at_position"])
+            self._write_step(run, replace(step, output={"payload": signal.payload}))
+            return True, signal.payload
+
+    def active_children(self, run_id: str) -> list[RunRecord]:
+        qs = self._runs().active().filter(parent__run_id=run_id).select_related("parent")
+        return [to_record(run) for run in qs]
+
+    def due_runs(self, now: datetime) -> list[RunRecord]:
+        qs = self._runs().filter(status=RunStatus.SUSPENDED, wake_at__lte=now).select_related("parent")
+        return [to_record(run) for run in qs[:1000]]
+
+    def runs_on_queues(self, statuses: Sequence[str]) -> list[RunRecord]:
+        qs = self._runs().filter(status__in=list(statuses)).exclude(queue="").select_related("parent")
+        return [to_record(run) for run in qs[:1000]]
 
     # -- strategies ------------------------------------------------------------
     def _tags(self) -> Any:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import datetime
@@ -16,9 +16,8 @@ from typing import Any
 
 from django.utils import timezone
 
-from durable.concurrency import Quota
-from durable.status import RunStatus
-from durable.concurrency import TAG_PREFIX
+from durable.concurrency import TAG_PREFIX, Quota
+from durable.status import TERMINAL_STATUSES, RunStatus
 from durable.stores.base import RunExists, RunRecord, StepEntry, group_keys
 
 
@@ -27,6 +26,8 @@ class InMemoryStore:
         self._lock = threading.RLock()
         self._runs: dict[str, RunRecord] = {}
         self._steps: dict[str, dict[int, StepEntry]] = {}
+        #: run id -> buffered signals [name, payload, consumed position or None]
+        self._signals: dict[str, list[list[Any]]] = {}
         #: key -> (limit, count_statuses) of the last start, and the round-robin cursors.
         self._quotas: dict[str, tuple[int | None, tuple[str, ...]]] = {}
         self._cursors: dict[str, str] = {}
@@ -115,9 +116,18 @@ class InMemoryStore:
             return True
 
     def transition(
-        self, run_id: str, *, from_statuses: Sequence[str], to: str, **fields: Any
+        self,
+        run_id: str,
+        *,
+        from_statuses: Sequence[str],
+        to: str,
+        expect: Mapping[str, Any] | None = None,
+        **fields: Any,
     ) -> bool:
-        return self._update(run_id, lambda r: r.status in from_statuses, status=to, **fields)
+        def check(run: RunRecord) -> bool:
+            return run.status in from_statuses and all(getattr(run, k) == v for k, v in (expect or {}).items())
+
+        return self._update(run_id, check, status=to, **fields)
 
     def claim(
         self, run_id: str, *, lease: str, worker: str, stale_before: datetime
@@ -129,7 +139,7 @@ class InMemoryStore:
             stale = run.status == RunStatus.RUNNING and (
                 run.heartbeat_at is None or run.heartbeat_at < stale_before
             )
-            if run.status != RunStatus.PENDING and not stale:
+            if run.status not in (RunStatus.PENDING, RunStatus.BLOCKED) and not stale:
                 return None
             now = timezone.now()
             run.status, run.lease, run.worker = RunStatus.RUNNING, lease, worker
@@ -193,11 +203,68 @@ class InMemoryStore:
             if run is None or not self._owned(lease)(run):
                 return False
             steps = self._steps.setdefault(run_id, {})
-            if step.position in steps:
+            previous = steps.get(step.position)
+            if previous is not None and previous.outcome != "waiting":
                 raise ValueError(f"step {step.position} of run {run_id} is recorded already")
             steps[step.position] = copy.deepcopy(step)
             run.heartbeat_at = timezone.now()
             return True
+
+    # -- waiting -----------------------------------------------------------------
+    def suspend(self, run_id: str, lease: str, *, waiting_for: str, wake_at: datetime | None) -> bool:
+        with self._lock:
+            run = self._runs.get(run_id)
+            if run is None or not self._owned(lease)(run):
+                return False
+            kind, _, target = waiting_for.partition(":")
+            if kind == "signal" and any(n == target and pos is None for n, _, pos in self._signals.get(run_id, [])):
+                return False
+            child = self._runs.get(target) if kind == "child" else None
+            if child is not None and child.status in TERMINAL_STATUSES:
+                return False
+            return self._update(
+                run_id, lambda r: True, status=RunStatus.SUSPENDED, waiting_for=waiting_for,
+                wake_at=wake_at, lease="", attempt=0,
+            )  # fmt: skip
+
+    def add_signal(self, run_id: str, name: str, payload: Any) -> RunRecord | None:
+        with self._lock:
+            run = self._runs.get(run_id)
+            if run is None:
+                return None
+            if run.status not in TERMINAL_STATUSES:
+                self._signals.setdefault(run_id, []).append([name, copy.deepcopy(payload), None])
+            return copy.deepcopy(run)
+
+    def consume_signal(self, run_id: str, lease: str, name: str, step: StepEntry) -> tuple[bool, Any]:
+        with self._lock:
+            for signal in self._signals.get(run_id, []):
+                if signal[0] == name and signal[2] is None:
+                    if not self.record_step(run_id, lease, replace(step, output={"payload": signal[1]})):
+                        return False, None
+                    signal[2] = step.position
+                    return True, copy.deepcopy(signal[1])
+            return False, None
+
+    def active_children(self, run_id: str) -> list[RunRecord]:
+        with self._lock:
+            return [
+                copy.deepcopy(r)
+                for r in self._runs.values()
+                if r.parent_run_id == run_id and r.status not in TERMINAL_STATUSES
+            ]
+
+    def due_runs(self, now: datetime) -> list[RunRecord]:
+        with self._lock:
+            return [
+                copy.deepcopy(r)
+                for r in self._runs.values()
+                if r.status == RunStatus.SUSPENDED and r.wake_at is not None and r.wake_at <= now
+            ]
+
+    def runs_on_queues(self, statuses: Sequence[str]) -> list[RunRecord]:
+        with self._lock:
+            return [copy.deepcopy(r) for r in self._runs.values() if r.status in statuses and r.queue]
 
     # -- strategies ------------------------------------------------------------
     def run_keys(self, run_id: str) -> list[str]:

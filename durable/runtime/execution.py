@@ -1,0 +1,239 @@
+"""Executing runs: claim, replay, suspend and resume, finish; and the sweeper.
+
+Every change of a run's state is a compare-and-set in the store, so a duplicate
+delivery, a late timer or a second sweeper changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from django.utils import timezone
+
+from durable import exceptions
+from durable.concurrency import Quota
+from durable.conf import settings
+from durable.runtime.context import WorkflowContext
+from durable.status import RunStatus
+from durable.stores.base import RunRecord
+from durable.util import check_json, describe_error
+
+if TYPE_CHECKING:
+    from durable.runtime.core import Engine
+
+logger = logging.getLogger(__name__)
+
+
+class Executor:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @property
+    def store(self) -> Any:
+        return self.engine.store
+
+    # -- one execution ---------------------------------------------------------------------
+    def execute(self, run_id: str) -> None:
+        lease = uuid.uuid4().hex
+        stale_before = timezone.now() - timedelta(seconds=float(settings.STALE_AFTER))
+        record = self.store.claim(run_id, lease=lease, worker=_worker_name(), stale_before=stale_before)
+        if record is None:
+            logger.debug("Run %s is not pending (or is owned by a live worker); nothing to do.", run_id)
+            return
+        if record.attempt > int(settings.MAX_ATTEMPTS):
+            message = f"Gave up after {record.attempt - 1} attempts: the worker kept dying."
+            self.finish(record, lease, RunStatus.DEAD, error={"type": "durable.dead", "message": message})
+            logger.error("Run %s is dead after %d attempts.", run_id, record.attempt - 1)
+            return
+        try:
+            definition = self.engine.registry.get(record.workflow, record.version)
+            if definition.fn is None:
+                raise exceptions.UnknownWorkflowError(
+                    f"Workflow {record.workflow!r} is remote here: its body runs on the workers of queue "
+                    f"{definition.queue!r}, which this worker should not consume."
+                )
+        except exceptions.UnknownWorkflowError as exc:
+            self.finish(record, lease, RunStatus.FAILED, error=describe_error(exc))
+            return
+        with self._heartbeat(run_id, lease):
+            while True:
+                ctx = WorkflowContext(self.engine, record, lease, self.store.load_steps(run_id))
+                try:
+                    output = definition.fn(ctx, record.input)
+                    output = check_json(output, what=f"the output of workflow {record.workflow!r}")
+                except exceptions.RunCancelled:
+                    logger.info("Run %s stopped: it was cancelled.", run_id)
+                    return
+                except exceptions.Suspend as suspend:
+                    if self.store.suspend(run_id, lease, waiting_for=suspend.waiting_for, wake_at=suspend.wake_at):
+                        self._suspended(record, suspend.wake_at)
+                        return
+                    continue  # what it waits for is already there: replay at once
+                except Exception as exc:
+                    logger.info("Run %s failed: %s", run_id, exc)
+                    self.finish(record, lease, RunStatus.FAILED, error=describe_error(exc))
+                    return
+                break
+        self.finish(record, lease, RunStatus.COMPLETED, output=output)
+
+    def finish(self, run: RunRecord, lease: str, status: str, *, output: Any = None, error: Any = None) -> None:
+        if self.store.finish(run.run_id, lease, status=status, output=output, error=error):
+            self.ended(run)
+
+    def ended(self, run: RunRecord) -> None:
+        """A run reached a terminal status: free its slots, wake a parent waiting for it."""
+        self.released(run.run_id)
+        if run.parent_run_id:
+            parent = self.store.get_run(run.parent_run_id)
+            if parent is not None:
+                self.resume(parent, waiting_for=f"child:{run.run_id}")
+
+    def released(self, run_id: str) -> None:
+        """A run left the counted statuses: hand its keys' free slots to queued runs."""
+        keys = self.store.run_keys(run_id)
+        if keys:
+            self.store.on_commit(lambda: self.engine.promoter.promote(keys))
+
+    def _suspended(self, run: RunRecord, wake_at: datetime | None) -> None:
+        self.released(run.run_id)  # if "suspended" does not count for a key, its slot is free now
+        if wake_at is not None:
+            from durable import tasks
+
+            # A fast path only: the sweeper wakes due runs from the database too.
+            tasks.send_wake(run.run_id, eta=wake_at, queue=run.queue)
+
+    def ensure_running(self, run_id: str, lease: str) -> None:
+        """Raise ``RunCancelled`` when the run no longer belongs to this execution."""
+        record = self.store.get_run(run_id)
+        if record is None or record.status != RunStatus.RUNNING or record.lease != lease:
+            raise exceptions.RunCancelled(run_id)
+
+    @contextmanager
+    def _heartbeat(self, run_id: str, lease: str) -> Iterator[None]:
+        stop = threading.Event()
+        interval = float(settings.HEARTBEAT_INTERVAL)
+
+        def beat() -> None:
+            try:
+                while not stop.wait(interval):
+                    if not self.store.heartbeat(run_id, lease):
+                        return
+            except Exception:  # never let a heartbeat failure kill the worker
+                logger.exception("Heartbeat of run %s failed", run_id)
+            finally:
+                release = getattr(self.store, "release_thread", None)
+                if release is not None:
+                    release()
+
+        thread = threading.Thread(target=beat, name=f"durable-heartbeat-{run_id}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+
+    # -- waking --------------------------------------------------------------------------------
+    def resume(self, run: RunRecord, *, waiting_for: str | None = None, due: bool = False) -> bool:
+        """Wake a suspended run (compare-and-set on what it waits for).
+
+        If it holds no slot while suspended (``suspended`` is not counted for one
+        of its keys) and such a key is full now, it is ``queued`` instead: it gets
+        the next free slot, so resuming never takes a key over its limit.
+        """
+        if run.status != RunStatus.SUSPENDED:
+            return False
+        if waiting_for is not None and run.waiting_for != waiting_for:
+            return False
+        if due and (run.wake_at is None or run.wake_at > timezone.now()):
+            return False
+        expect = {"waiting_for": run.waiting_for, "wake_at": run.wake_at}
+        settings_by_key = self.store.quota_settings(self.store.run_keys(run.run_id))
+        recount = [
+            Quota(key, limit, statuses)
+            for key, (limit, statuses) in sorted(settings_by_key.items())
+            if limit is not None and statuses and RunStatus.SUSPENDED not in statuses
+        ]
+        with self.store.admission(recount):
+            full = any(self.engine._count(q.tag, q.count_statuses) >= q.limit for q in recount)
+            to = RunStatus.QUEUED if full else RunStatus.PENDING
+            woken = self.store.transition(
+                run.run_id, from_statuses=[RunStatus.SUSPENDED], to=to, expect=expect,
+                waiting_for="", wake_at=None, dispatched_at=timezone.now(),
+            )  # fmt: skip
+        if woken and to == RunStatus.PENDING:
+            self.engine.dispatch(self.engine, run)
+        return woken
+
+    def wake_due(self, run_id: str) -> bool:
+        """The timer of a sleep or a signal timeout went off (a late or repeated timer does nothing)."""
+        run = self.store.get_run(run_id)
+        return run is not None and self.resume(run, due=True)
+
+    # -- recovery ------------------------------------------------------------------------------
+    def sweep(self) -> dict[str, list[str]]:
+        now = timezone.now()
+        orphaned = self.store.orphaned_runs(now - timedelta(seconds=float(settings.STALE_AFTER)))
+        undelivered = self.store.undelivered_runs(now - timedelta(seconds=float(settings.REDISPATCH_AFTER)))
+        runs = orphaned + undelivered
+        if runs:
+            self.store.mark_dispatched([r.run_id for r in runs])
+            for run in runs:
+                self.engine.dispatch(self.engine, run)
+            logger.warning("Sweep re-dispatched %d orphaned and %d undelivered runs.", len(orphaned), len(undelivered))
+        woken = [r.run_id for r in self.store.due_runs(now) if self.resume(r, due=True)]
+        promoted = self.engine.promoter.promote(self.store.keys_with_queued())
+        if promoted:
+            logger.warning("Sweep started %d queued runs whose keys had room.", len(promoted))
+        blocked, unblocked = self.check_remote_queues()
+        return {
+            "orphaned": [r.run_id for r in orphaned],
+            "undelivered": [r.run_id for r in undelivered],
+            "woken": woken,
+            "promoted": promoted,
+            "blocked": blocked,
+            "unblocked": unblocked,
+        }
+
+    # -- remote workflows ------------------------------------------------------------------------
+    def check_remote_queues(self, live_queues: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
+        """Mark pending runs of queues no live worker consumes ``blocked``; send
+        blocked runs whose queue has a worker again. ``live_queues`` defaults to
+        asking the Celery workers (only when there are such runs)."""
+        runs = self.store.runs_on_queues([RunStatus.PENDING, RunStatus.BLOCKED])
+        if not runs:
+            return [], []
+        live = set(live_queues if live_queues is not None else _live_queues())
+        blocked, unblocked = [], []
+        for run in runs:
+            if run.status == RunStatus.PENDING and run.queue not in live:
+                if self.store.transition(run.run_id, from_statuses=[RunStatus.PENDING], to=RunStatus.BLOCKED):
+                    blocked.append(run.run_id)
+            elif run.status == RunStatus.BLOCKED and run.queue in live:
+                if self.store.transition(
+                    run.run_id, from_statuses=[RunStatus.BLOCKED], to=RunStatus.PENDING, dispatched_at=timezone.now()
+                ):
+                    self.engine.dispatch(self.engine, run)
+                    unblocked.append(run.run_id)
+        if blocked:
+            logger.warning("%d runs are blocked: no live worker consumes their queue.", len(blocked))
+        return blocked, unblocked
+
+
+def _live_queues() -> list[str]:
+    from durable import tasks
+
+    return tasks.live_queues()
+
+
+def _worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{threading.current_thread().name}"
+
