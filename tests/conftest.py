@@ -7,7 +7,7 @@ from celery.contrib.testing.worker import start_worker
 from django.db import connection
 
 from testproject.celery import app as celery_app
-from tests import workflows  # noqa: F401  (registers the test workflows)
+from tests import waiting, workflows  # noqa: F401  (registers the test workflows)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
