@@ -7,6 +7,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from django.utils import timezone
@@ -24,7 +25,9 @@ from durable.util import check_json
 logger = logging.getLogger(__name__)
 
 #: ``dispatch(engine, run)``: hands a new or recovered run to whatever executes it.
-#: A dispatcher may also have ``revoke(engine, run)``, called when a run is cancelled.
+#: A dispatcher may also have ``revoke(engine, run)`` (a run was cancelled),
+#: ``wake_later(engine, run, eta)`` (a timer for a sleeping run) and
+#: ``live_queues()`` (the queues some worker consumes, for remote workflows).
 Dispatcher = Callable[["Engine", RunRecord], None]
 
 
@@ -46,6 +49,16 @@ class CeleryDispatch:
 
         task_id = tasks.task_id(run.run_id, run.generation)
         engine.store.on_commit(lambda: tasks.revoke(task_id))
+
+    def wake_later(self, engine: Engine, run: RunRecord, eta: datetime) -> None:
+        from durable import tasks
+
+        tasks.send_wake(run.run_id, eta=eta, queue=run.queue)
+
+    def live_queues(self) -> list[str]:
+        from durable import tasks
+
+        return tasks.live_queues()
 
 
 celery_dispatch = CeleryDispatch()

@@ -104,11 +104,10 @@ class Executor:
 
     def _suspended(self, run: RunRecord, wake_at: datetime | None) -> None:
         self.released(run.run_id)  # if "suspended" does not count for a key, its slot is free now
-        if wake_at is not None:
-            from durable import tasks
-
+        wake_later = getattr(self.engine.dispatch, "wake_later", None)
+        if wake_at is not None and wake_later is not None:
             # A fast path only: the sweeper wakes due runs from the database too.
-            tasks.send_wake(run.run_id, eta=wake_at, queue=run.queue)
+            wake_later(self.engine, run, wake_at)
 
     def ensure_running(self, run_id: str, lease: str) -> None:
         """Raise ``RunCancelled`` when the run no longer belongs to this execution."""
@@ -211,7 +210,12 @@ class Executor:
         runs = self.store.runs_on_queues([RunStatus.PENDING, RunStatus.BLOCKED])
         if not runs:
             return [], []
-        live = set(live_queues if live_queues is not None else _live_queues())
+        if live_queues is None:
+            ask = getattr(self.engine.dispatch, "live_queues", None)
+            if ask is None:  # a dispatcher without workers to ask (inline, tests)
+                return [], []
+            live_queues = ask()
+        live = set(live_queues)
         blocked, unblocked = [], []
         for run in runs:
             if run.status == RunStatus.PENDING and run.queue not in live:
@@ -226,12 +230,6 @@ class Executor:
         if blocked:
             logger.warning("%d runs are blocked: no live worker consumes their queue.", len(blocked))
         return blocked, unblocked
-
-
-def _live_queues() -> list[str]:
-    from durable import tasks
-
-    return tasks.live_queues()
 
 
 def _worker_name() -> str:
