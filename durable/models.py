@@ -202,3 +202,13 @@ class Schedule(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        """The checks of ``durable.schedules.validate``, as field errors (for model forms).
+
+        Save through ``durable.schedules`` (``create_schedule``/``update_schedule``),
+        which also keeps the schedule's beat entry in step.
+        """
+        from durable import schedules
+
+        schedules.clean_instance(self)

@@ -28,6 +28,8 @@ _STATUS_BY_ERROR: tuple[tuple[type[exceptions.DurableError], int], ...] = (
     (exceptions.InvalidStartError, status.HTTP_400_BAD_REQUEST),
     (exceptions.UnknownWorkflowError, status.HTTP_404_NOT_FOUND),
     (exceptions.RunNotFound, status.HTTP_404_NOT_FOUND),
+    (exceptions.InvalidScheduleError, status.HTTP_400_BAD_REQUEST),
+    (exceptions.ScheduleNotFound, status.HTTP_404_NOT_FOUND),
     (exceptions.RunTerminalError, status.HTTP_409_CONFLICT),
     (exceptions.RunIdTaken, status.HTTP_409_CONFLICT),
 )
@@ -77,7 +79,8 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     ``ConcurrencyLimitError`` (and ``ConcurrencyQueueFullError``) -> 429 with
     ``Retry-After`` and ``{"detail", "code", "workflow", "key", "limit", "active"}``
     (plus ``queued`` and ``max_queued`` for a full queue);
-    ``InvalidStartError`` -> 400; ``UnknownWorkflowError`` and ``RunNotFound`` -> 404;
+    ``InvalidStartError`` and ``InvalidScheduleError`` -> 400; ``UnknownWorkflowError``,
+    ``RunNotFound`` and ``ScheduleNotFound`` -> 404;
     ``RunTerminalError`` and ``RunIdTaken`` -> 409, each with ``{"detail", "code"}``. Anything else
     goes to ``rest_framework.views.exception_handler``.
     """

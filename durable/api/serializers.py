@@ -102,13 +102,7 @@ class StartRunSerializer(serializers.Serializer):
     )
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        # A misspelt field ("inputs", "runId") would otherwise be ignored silently.
-        data = self.initial_data
-        unknown = sorted(str(name) for name in data if name not in self.fields) if isinstance(data, Mapping) else []
-        if unknown:
-            raise serializers.ValidationError(
-                {name: [f"Unknown field; expected {', '.join(self.fields)}."] for name in unknown}
-            )
+        _refuse_unknown_fields(self)
         return attrs
 
 
@@ -212,9 +206,53 @@ class QuotaSerializer(serializers.Serializer):
         return round((timezone.now() - info.oldest_queued_at).total_seconds(), 3)
 
 
+def _refuse_unknown_fields(serializer: serializers.Serializer) -> None:
+    """A misspelt field ("inputs", "runId") would otherwise be ignored silently."""
+    data = serializer.initial_data
+    unknown = sorted(str(name) for name in data if name not in serializer.fields) if isinstance(data, Mapping) else []
+    if unknown:
+        raise serializers.ValidationError(
+            {name: [f"Unknown field; expected {', '.join(serializer.fields)}."] for name in unknown}
+        )
+
+
 def _encodable(text: str) -> bool:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         return False
     return True
+
+
+class ScheduleSerializer(serializers.ModelSerializer):
+    """A persisted schedule. ``every`` is the interval in seconds (null for a cron schedule)."""
+
+    every = serializers.IntegerField(source="interval_seconds", read_only=True, allow_null=True)
+
+    class Meta:
+        model = models.Schedule
+        fields = [
+            "name", "workflow", "input", "cron", "every", "timezone", "enabled", "namespace",
+            "concurrency_key", "concurrency_limit", "last_run_at", "last_run_id", "last_error",
+            "last_error_at", "created_at", "updated_at",
+        ]  # fmt: skip
+        read_only_fields = fields
+
+
+class CreateScheduleSerializer(serializers.Serializer):
+    """The body of ``POST schedules/``. Only the types are checked here; the
+    settings themselves are validated by ``durable.schedules.create_schedule``."""
+
+    name = TextField(max_length=200)
+    workflow = TextField(max_length=255)
+    input = JSONValueField(required=False, allow_null=True, default=dict)
+    cron = TextField(max_length=120, required=False, allow_blank=True, allow_null=True, default="")
+    every = serializers.IntegerField(required=False, allow_null=True, default=None)
+    timezone = TextField(max_length=63, required=False, default="UTC")
+    concurrency_key = TextField(max_length=200, required=False, allow_blank=True, default="")
+    concurrency_limit = serializers.IntegerField(required=False, allow_null=True, default=None)
+    enabled = serializers.BooleanField(required=False, default=True)
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        _refuse_unknown_fields(self)
+        return attrs

@@ -16,4 +16,9 @@ urlpatterns: list[URLPattern] = [
     path("runs/<path:run_id>/", views.RunDetailView.as_view(), name="run-detail"),
     path("quotas/", views.QuotaListView.as_view(), name="quota-list"),
     path("quotas/<path:key>/", views.QuotaDetailView.as_view(), name="quota-detail"),
+    # Schedule names never contain "/".
+    path("schedules/", views.ScheduleListView.as_view(), name="schedule-list"),
+    path("schedules/<str:name>/pause/", views.SchedulePauseView.as_view(), name="schedule-pause"),
+    path("schedules/<str:name>/resume/", views.ScheduleResumeView.as_view(), name="schedule-resume"),
+    path("schedules/<str:name>/", views.ScheduleDetailView.as_view(), name="schedule-detail"),
 ]

@@ -10,15 +10,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from django.db.models import Prefetch
+from django.db.models import Prefetch, QuerySet
 from rest_framework import generics, status
-from rest_framework.exceptions import APIException, NotFound
+from rest_framework.exceptions import APIException, NotFound, ValidationError
 from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
-from durable import exceptions, models, querysets, quotas
+from durable import exceptions, models, querysets, quotas, schedules
 from durable.api import errors, pagination, parsers, permissions, serializers, tenancy
 from durable.concurrency import MAX_KEY_LENGTH
 from durable.runtime.core import Engine, RunHandle
@@ -162,6 +162,103 @@ class QuotaDetailView(DurableAPIView):
         if not infos:
             raise NotFound(f"No concurrency key {key!r} is known.", code="quota_not_found")
         return Response(serializers.QuotaSerializer(infos[0]).data)
+
+
+# -- schedules -------------------------------------------------------------------------
+
+#: API name of a field whose ``Schedule`` model name differs (in error bodies).
+_SCHEDULE_API_FIELDS = {"interval_seconds": "every"}
+
+
+def schedules_of(engine: Engine) -> QuerySet[models.Schedule]:
+    """The schedules ``engine`` may see (those of its namespace when its reads are fenced), by name."""
+    qs = models.Schedule.objects.order_by("name")
+    namespace = engine.read_namespace
+    return qs if namespace is None else qs.filter(namespace=namespace)
+
+
+class ScheduleMixin:
+    engine: Engine
+
+    def get_schedule(self, name: str) -> models.Schedule:
+        """The schedule ``name`` as this request may see it, or ``ScheduleNotFound`` (404)."""
+        found = schedules_of(self.engine).filter(name=name).first() if _valid_lookup(name, schedules.MAX_NAME_LENGTH) else None
+        if found is None:
+            raise exceptions.ScheduleNotFound(f"No schedule is named {name!r}.", name=name)
+        return found
+
+
+class ScheduleListView(ScheduleMixin, DurableAPIView):
+    """``GET schedules/``: the schedules, by name, paginated.
+
+    ``POST schedules/``: create a schedule (and its beat entry) in the request's
+    namespace. 201 with the schedule; 400 with ``{field: [message]}`` when a
+    setting is invalid, and then nothing is created.
+    """
+
+    def get_serializer_class(self) -> type[BaseSerializer]:
+        if self.request is not None and self.request.method == "POST":
+            return serializers.CreateScheduleSerializer
+        return serializers.ScheduleSerializer
+
+    def get(self, request: Request) -> Response:
+        page = self.paginate_queryset(schedules_of(self.engine))
+        return self.get_paginated_response(serializers.ScheduleSerializer(page, many=True).data)
+
+    def post(self, request: Request) -> Response:
+        serializer = serializers.CreateScheduleSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        schedule = self.perform_create(serializer)
+        return Response(serializers.ScheduleSerializer(schedule).data, status=status.HTTP_201_CREATED)
+
+    def perform_create(self, serializer: serializers.CreateScheduleSerializer) -> models.Schedule:
+        data = serializer.validated_data
+        try:
+            return schedules.create_schedule(
+                data["name"],
+                data["workflow"],
+                data["input"],
+                cron=data["cron"] or None,
+                every=data["every"],
+                timezone=data["timezone"],
+                namespace=self.engine.namespace,
+                concurrency_key=data["concurrency_key"],
+                concurrency_limit=data["concurrency_limit"],
+                enabled=data["enabled"],
+            )
+        except exceptions.InvalidScheduleError as exc:
+            raise ValidationError(
+                {_SCHEDULE_API_FIELDS.get(field, field): messages for field, messages in exc.errors.items()}
+            ) from exc
+
+
+class ScheduleDetailView(ScheduleMixin, DurableAPIView):
+    """``GET schedules/<name>/``: one schedule."""
+
+    serializer_class = serializers.ScheduleSerializer
+
+    def get(self, request: Request, name: str) -> Response:
+        return Response(serializers.ScheduleSerializer(self.get_schedule(name)).data)
+
+
+class SchedulePauseView(ScheduleMixin, DurableAPIView):
+    """``POST schedules/<name>/pause/``: disable the schedule (200 with it; pausing twice is fine)."""
+
+    serializer_class = serializers.ScheduleSerializer
+
+    def post(self, request: Request, name: str) -> Response:
+        schedule = schedules.pause(self.get_schedule(name))
+        return Response(serializers.ScheduleSerializer(schedule).data)
+
+
+class ScheduleResumeView(ScheduleMixin, DurableAPIView):
+    """``POST schedules/<name>/resume/``: enable the schedule again (200 with it)."""
+
+    serializer_class = serializers.ScheduleSerializer
+
+    def post(self, request: Request, name: str) -> Response:
+        schedule = schedules.resume(self.get_schedule(name))
+        return Response(serializers.ScheduleSerializer(schedule).data)
 
 
 def _check_run_id(run_id: str) -> str:

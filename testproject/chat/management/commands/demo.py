@@ -1,8 +1,11 @@
 """``python manage.py demo``: tenant acme starts 12 chat turns through the real HTTP API.
 
 8 are accepted, 4 are refused with 429 and Retry-After; the turns complete on a
-real (in-process) Celery worker; new starts are accepted again. Then the admin
-is served on 127.0.0.1:8000 (``--no-serve`` skips that).
+real (in-process) Celery worker; new starts are accepted again. Then a persisted
+schedule with a quota of its own on the same key (``tenant:acme``, limit 8) fires
+a window while the tenant is full: the window is skipped and written to the
+schedule's ``last_error``. Then the admin is served on 127.0.0.1:8000
+(``--no-serve`` skips that).
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ from django.core.servers.basehttp import ThreadedWSGIServer, WSGIRequestHandler
 from django.core.wsgi import get_wsgi_application
 from rest_framework.authtoken.models import Token
 
-from durable import RunStatus, engine
+from durable import RunStatus, engine, exceptions, schedules
 from testproject.celery import app as celery_app
 from testproject.embedded import embedded_worker
 
 TENANT = "acme"
+SCHEDULE = "acme-digest"
 USERNAME = PASSWORD = "demo"
 
 
@@ -47,6 +51,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         logging.getLogger("django.request").setLevel(logging.ERROR)  # the 429s are expected here
+        logging.getLogger("durable.schedules").setLevel(logging.ERROR)  # so is the skipped window
         call_command("migrate", verbosity=0)
         token = self._demo_user()
         self._cancel_leftovers()
@@ -57,6 +62,7 @@ class Command(BaseCommand):
         try:
             with embedded_worker(celery_app, concurrency=10):
                 self._run(api, options["turns"], options["think"])
+                self._skipped_window(api, options["think"], options["port"])
                 if not options["no_serve"]:
                     self.stdout.write(self.style.SUCCESS(
                         f"\nAdmin: http://127.0.0.1:{options['port']}/admin/ (user {USERNAME!r}, "
@@ -124,6 +130,65 @@ class Command(BaseCommand):
             self._row(n, status, "accepted" if status == 201 else "refused", f"run {body.get('run_id', '')[:12]}")
         refused = turns - len(accepted)
         self.stdout.write(self.style.SUCCESS(f"\n{len(accepted)} accepted, {refused} refused with 429, then accepted again."))
+
+    def _skipped_window(self, api: _Client, think: float, port: int) -> None:
+        """The schedule "acme-digest" has a quota of its own on the chat turns' key:
+        a window that finds the tenant full is skipped and written to last_error."""
+        schedule = self._digest_schedule()
+        self.stdout.write(f"\nSchedule {SCHEDULE!r} ({schedules.describe(schedule)}) shares the tenant's key.")
+        self._wait_until_idle(api)
+        turns: list[str] = []
+        for n in range(1, 9):
+            status, _, body = api.post(
+                "runs/",
+                {"workflow": "chat.turn", "input": {"tenant_id": TENANT, "message": f"long turn #{n}", "think_seconds": think}},
+            )
+            if status != 201:
+                raise CommandError(f"unexpected answer {status} while filling the tenant: {body}")
+            turns.append(body["run_id"])
+        _, _, quota = api.get(f"quotas/tenant:{TENANT}/")
+        self.stdout.write(f"{len(turns)} long turns fill tenant:{TENANT} ({quota['active']} active of {quota['limit']}); "
+                          "the schedule's window fires now, as beat would:")  # fmt: skip
+        firing = schedules.fire(schedule.pk)  # what beat's durable.fire_schedule task does
+        assert firing is not None
+        schedule.refresh_from_db()
+        if firing.outcome is schedules.Outcome.SKIPPED:
+            self.stdout.write(f"  window {firing.window:%Y-%m-%d %H:%M} UTC skipped, no run started.")
+            self.stdout.write(f"  last_error: {schedule.last_error}")
+            self.stdout.write(f"  Visible in the admin at http://127.0.0.1:{port}/admin/durable/schedule/")
+        else:
+            self.stdout.write(f"  window {firing.window:%Y-%m-%d %H:%M} UTC: {firing.outcome} (run {firing.run_id}).")
+        self._wait_for(api, turns, think)
+
+    def _digest_schedule(self) -> Any:
+        config: dict[str, Any] = {
+            "workflow": "chat.turn",
+            "input": {"tenant_id": TENANT, "message": "daily digest", "think_seconds": 0},
+            "cron": "0 9 * * *",
+            "timezone": "Europe/Paris",
+            "concurrency_key": f"tenant:{TENANT}",
+            "concurrency_limit": 8,
+        }
+        try:
+            existing = schedules.get_schedule(SCHEDULE)
+        except exceptions.ScheduleNotFound:
+            return schedules.create_schedule(SCHEDULE, **config)
+        return schedules.update_schedule(existing, enabled=True, **config)
+
+    def _wait_until_idle(self, api: _Client) -> None:
+        deadline = time.monotonic() + 60
+        while api.get(f"quotas/tenant:{TENANT}/")[2].get("active", 0) > 0:
+            if time.monotonic() > deadline:
+                raise CommandError(f"tenant {TENANT!r} still has turns in flight: is the worker running?")
+            time.sleep(0.05)
+
+    def _wait_for(self, api: _Client, run_ids: list[str], think: float) -> None:
+        deadline = time.monotonic() + 60 + think * 4
+        for run_id in run_ids:
+            while api.get(f"runs/{run_id}/")[2]["status"] not in {RunStatus.COMPLETED, RunStatus.FAILED}:
+                if time.monotonic() > deadline:
+                    raise CommandError(f"run {run_id} did not finish: is the worker running?")
+                time.sleep(0.1)
 
     def _row(self, n: int, status: int, outcome: str, detail: str) -> None:
         self.stdout.write(f"{n:>4}  {status:>4}  {outcome:<9}  {detail}")
