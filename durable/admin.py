@@ -178,6 +178,9 @@ class WorkflowRunAdmin(admin.ModelAdmin):
             "Execution",
             {
                 "fields": (
+                    "queue",
+                    "waiting_for",
+                    "wake_at",
                     "worker",
                     "created_at",
                     "dispatched_at",
@@ -198,6 +201,9 @@ class WorkflowRunAdmin(admin.ModelAdmin):
         "attempt",
         "parent",
         "tag_list",
+        "queue",
+        "waiting_for",
+        "wake_at",
         "input_json",
         "output_json",
         "error_json",

@@ -106,6 +106,17 @@ class StartRunSerializer(serializers.Serializer):
         return attrs
 
 
+class SignalSerializer(serializers.Serializer):
+    """The body of ``POST runs/<run_id>/signal/``: ``{"name": str, "payload"?: any JSON}``."""
+
+    name = TextField(max_length=255, help_text="The signal the run waits for (or will wait for).")
+    payload = JSONValueField(required=False, allow_null=True, default=None, help_text="Any JSON value.")
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        _refuse_unknown_fields(self)
+        return attrs
+
+
 class StatusListField(serializers.Field):
     """``?status=running&status=pending`` or ``?status=running,pending``: a list of run statuses."""
 
@@ -178,8 +189,8 @@ class RunSerializer(serializers.ModelSerializer):
         model = models.WorkflowRun
         fields = [
             "run_id", "workflow", "version", "namespace", "status", "input", "output", "error",
-            "attempt", "parent_run_id", "created_at", "updated_at", "started_at", "finished_at",
-            "tags", "steps",
+            "attempt", "parent_run_id", "queue", "waiting_for", "wake_at", "created_at", "updated_at",
+            "started_at", "finished_at", "tags", "steps",
         ]  # fmt: skip
         read_only_fields = fields
 

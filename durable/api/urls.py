@@ -9,10 +9,11 @@ from durable.api import views
 app_name = "durable"
 
 # Run ids and quota keys may contain "/": the sub-resources of a run come before
-# its detail route so that ``runs/<id>/cancel/`` is never read as a run id.
+# its detail route so that ``runs/<id>/cancel/`` (or ``signal/``) is never read as a run id.
 urlpatterns: list[URLPattern] = [
     path("runs/", views.RunListView.as_view(), name="run-list"),
     path("runs/<path:run_id>/cancel/", views.RunCancelView.as_view(), name="run-cancel"),
+    path("runs/<path:run_id>/signal/", views.RunSignalView.as_view(), name="run-signal"),
     path("runs/<path:run_id>/", views.RunDetailView.as_view(), name="run-detail"),
     path("quotas/", views.QuotaListView.as_view(), name="quota-list"),
     path("quotas/<path:key>/", views.QuotaDetailView.as_view(), name="quota-detail"),

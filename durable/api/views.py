@@ -139,6 +139,21 @@ class RunCancelView(DurableAPIView):
         return Response(serializers.RunSerializer(self.get_run(run_id)).data)
 
 
+class RunSignalView(DurableAPIView):
+    """``POST runs/<run_id>/signal/`` ``{"name", "payload"?}``: deliver a signal (202 with
+    the run). A run waiting for it resumes; otherwise it is buffered until the run
+    waits for it. 404 unknown run, 409 finished run."""
+
+    serializer_class = serializers.SignalSerializer
+
+    def post(self, request: Request, run_id: str) -> Response:
+        serializer = serializers.SignalSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        self.engine.signal(_check_run_id(run_id), data["name"], data["payload"])
+        return Response(serializers.RunSerializer(self.get_run(run_id)).data, status=status.HTTP_202_ACCEPTED)
+
+
 class QuotaListView(DurableAPIView):
     """``GET quotas/``: every concurrency key with its in-flight and queued counts, paginated."""
 

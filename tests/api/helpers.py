@@ -21,6 +21,10 @@ def cancel_url(run_id: str) -> str:
     return reverse("durable:run-cancel", args=[run_id])
 
 
+def signal_url(run_id: str) -> str:
+    return reverse("durable:run-signal", args=[run_id])
+
+
 def quota_url(key: str | None = None) -> str:
     return reverse("durable:quota-list") if key is None else reverse("durable:quota-detail", args=[key])
 

@@ -11,7 +11,7 @@ from rest_framework.test import APIClient
 
 from durable import models
 from durable.testing import WorkflowRunFactory
-from tests.api.helpers import add_input, cancel_url, counts, quota_url, run_url, runs_url, start_add
+from tests.api.helpers import add_input, cancel_url, counts, quota_url, run_url, runs_url, signal_url, start_add
 
 pytestmark = pytest.mark.django_db
 
@@ -24,6 +24,7 @@ def every_endpoint() -> list[tuple[str, str]]:
         ("post", runs_url()),
         ("get", run_url("r1")),
         ("post", cancel_url("r1")),
+        ("post", signal_url("r1")),
         ("get", quota_url()),
         ("get", quota_url("k")),
     ]

@@ -152,7 +152,8 @@ def test_detail_shows_the_run_with_tags_and_steps(api: APIClient) -> None:
     body = response.json()
     assert set(body) == {
         "run_id", "workflow", "version", "namespace", "status", "input", "output", "error", "attempt",
-        "parent_run_id", "created_at", "updated_at", "started_at", "finished_at", "tags", "steps",
+        "parent_run_id", "queue", "waiting_for", "wake_at", "created_at", "updated_at", "started_at",
+        "finished_at", "tags", "steps",
     }  # fmt: skip
     assert (body["run_id"], body["workflow"], body["status"], body["attempt"]) == ("r1", "test.add", "failed", 2)
     assert body["error"] == {"type": "x.Boom", "message": "boom"}
