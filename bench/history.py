@@ -1,0 +1,103 @@
+"""Section (c)'s history: many finished runs bulk-loaded with ``INSERT ... SELECT generate_series``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from bench import schema, starters
+from durable.status import DEFAULT_CONCURRENCY_STATUSES
+
+#: The tag COUNT of an admission, as ``DjangoStore.count_runs`` sends it.
+COUNT = "SELECT COUNT(*) FROM durable_runtag WHERE tag = %s AND status = ANY(%s)"
+
+
+def load_finished(conninfo: str, n: int, measured_keys: int) -> None:
+    """``n`` completed runs with their tags and lock rows.
+
+    Keys are ``c-k0`` .. ``c-k<2 * measured_keys - 1>``: half the runs are on the
+    keys that section (c) starts on, half on other keys.
+    """
+    from durable import models
+
+    keys = 2 * measured_keys
+    runs = _insert_select(
+        models.WorkflowRun,
+        {
+            "run_id": "'finished-' || g",
+            "workflow": "%(workflow)s",
+            "version": "%(version)s",
+            "namespace": "'default'",
+            "status": "'completed'",
+            "input": "jsonb_build_object('key', 'c-k' || (g %% %(keys)s))",
+            "attempt": "1",
+            "worker": "'bench'",
+            **{name: "ts.t" for name in ("heartbeat_at", "dispatched_at", "created_at", "updated_at",
+                                          "started_at", "finished_at")},
+        },  # fmt: skip
+        "FROM generate_series(1, %(n)s) AS g "
+        "CROSS JOIN LATERAL (SELECT now() - make_interval(secs => (%(n)s - g) / 100.0) AS t) AS ts",
+    )
+    tags = _insert_select(
+        models.RunTag,
+        {
+            "run": "r.id",
+            "tag": "'concurrency:' || (r.input ->> 'key')",
+            "status": "r.status",
+            "namespace": "r.namespace",
+            "created_at": "r.created_at",
+        },
+        f"FROM {models.WorkflowRun._meta.db_table} AS r WHERE r.run_id LIKE 'finished-%%'",
+    )
+    locks = _insert_select(
+        models.ConcurrencyLock,
+        {"key": "'c-k' || k", "limit": "%(limit)s", "count_statuses": "%(statuses)s"},
+        "FROM generate_series(0, %(keys)s - 1) AS k ON CONFLICT DO NOTHING",
+    )
+    params = {
+        "workflow": starters.WORKFLOW, "version": starters.VERSION, "keys": keys, "n": n,
+        "limit": starters.RATE_LIMIT, "statuses": Jsonb(list(DEFAULT_CONCURRENCY_STATUSES)),
+    }  # fmt: skip
+    with psycopg.connect(conninfo) as conn:
+        for sql, defaults in (runs, tags, locks):
+            conn.execute(sql, {**params, **defaults})
+
+
+def _insert_select(model: Any, exprs: Mapping[str, str], tail: str) -> tuple[str, dict[str, Any]]:
+    """``INSERT INTO <table> (<Django's insert columns>) SELECT <exprs or defaults> <tail>``."""
+    fields = schema.insert_fields(model, exprs)
+    defaults = {f"default_{f.name}": schema.default_param(f) for f in fields if f.name not in exprs}
+    values = [exprs.get(f.name, f"%(default_{f.name})s") for f in fields]
+    columns = ", ".join(schema.column(f) for f in fields)
+    return f"INSERT INTO {model._meta.db_table} ({columns}) SELECT {', '.join(values)} {tail}", defaults
+
+
+def vacuum_analyze(conninfo: str) -> None:
+    """VACUUM (ANALYZE) durable's tables: statistics, and the visibility map an old table has."""
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute("VACUUM (ANALYZE) durable_workflowrun, durable_runtag, durable_concurrencylock")
+
+
+def count_plan(conninfo: str, key: str, repeat: int = 5) -> str:
+    """The plan of the admission COUNT for ``key`` in one line, with its median execution time."""
+    params = ("concurrency:" + key, list(DEFAULT_CONCURRENCY_STATUSES))
+    times: list[float] = []
+    lines: list[str] = []
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        for _ in range(repeat):
+            rows = conn.execute("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY ON) " + COUNT, params).fetchall()
+            lines = [str(r[0]).strip().removeprefix("->").strip() for r in rows]
+            total = next((line for line in lines if line.startswith("Execution Time")), "")
+            if total:
+                times.append(float(total.split(":")[1].split()[0]))
+    scan = next((line for line in lines if " on " in line), "?")
+    cond = next((line for line in lines if line.startswith("Index Cond")), "")
+    # With the status in the index condition, the scan skips the key's finished runs.
+    status = "status in the index condition" if "status" in cond else "status filtered row by row"
+    fetches = next((line for line in lines if line.startswith("Heap Fetches")), "")
+    median = sorted(times)[len(times) // 2] if times else float("nan")
+    parts = (scan, status, fetches, f"execution {median:.3f} ms (median of {len(times)})")
+    return "; ".join(part for part in parts if part)

@@ -1,0 +1,81 @@
+"""One benchmark run: scratch databases, competitors' schemas, worker processes, sections."""
+
+from __future__ import annotations
+
+import time
+
+from django.db import connection
+
+from bench import sections, starters
+from bench.pool import WorkerPool
+from bench.report import Report
+from bench.scratch import scratch_databases
+from bench.sections import Options, Progress
+
+
+def run(opts: Options, progress: Progress) -> Report:
+    report = Report()
+    started = time.perf_counter()
+    main = opts.db_name
+    copies = [f"{main}_c0", f"{main}_c1"] if "c" in opts.only else []
+    dbos_db = f"{main}_dbos"
+    empty = [dbos_db] if "a" in opts.only else []
+    others = f" and {', '.join(copies + empty)}" if copies or empty else ""
+    progress(f"creating scratch database {main} (migrations){others}")
+    with scratch_databases(main, copies=copies, empty=empty) as scratch:
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW server_version")
+            version = cursor.fetchone()[0]
+        params = scratch.params
+        report.header.append(
+            f"durable_bench: PostgreSQL {version} at {params.get('host', 'localhost')}:{params.get('port', 5432)}; "
+            f"scratch databases {', '.join([main, *copies, *empty])} (dropped at the end)"
+        )
+        report.header.append(_describe(opts))
+        if "a" in opts.only:
+            for kind, install in (
+                ("procrastinate", lambda: starters.install_procrastinate(scratch.conninfo(main))),
+                ("dbos", lambda: starters.install_dbos(scratch.url(dbos_db))),
+            ):
+                progress(f"(a) setting up {kind}")
+                reason = install()
+                if reason:
+                    opts.unavailable[kind] = reason
+                    progress(f"(a) {kind} left out: {reason}")
+        config = {
+            "aliases": {"default": main, **dict(zip(("c0", "c1"), copies))},
+            "conninfo": scratch.conninfo(main),
+            "dbos_url": scratch.url(dbos_db),
+        }
+        size = max(
+            [max(opts.procs)] * ("a" in opts.only) + [opts.starters] * ("b" in opts.only) + [1]
+        )
+        progress(f"spawning {size} benchmark process(es)")
+        pool = WorkerPool(size, config, barrier_sizes=[*opts.procs, opts.starters, 1])
+        try:
+            for name, section in (("a", sections.section_a), ("b", sections.section_b), ("c", sections.section_c)):
+                if name in opts.only:
+                    t0 = time.perf_counter()
+                    section(pool, opts, report, scratch, progress)
+                    progress(f"({name}) done in {time.perf_counter() - t0:.0f} s")
+        finally:
+            pool.close()
+            connection.close()
+    report.header.append(f"wall time {time.perf_counter() - started:.0f} s")
+    return report
+
+
+def _describe(opts: Options) -> str:
+    parts = []
+    if "a" in opts.only:
+        parts.append(
+            f"(a) {opts.rounds} round(s) x {opts.seconds:g} s per config, processes {','.join(map(str, opts.procs))}, "
+            f"{opts.keys} keys per process"
+        )
+    if "b" in opts.only:
+        parts.append(f"(b) {opts.starters} starters, limit {opts.hot_limit}, {opts.hot_seconds:g} s per phase")
+    if "c" in opts.only:
+        parts.append(
+            f"(c) {opts.finished_runs:,} finished runs, {opts.latency_starts:,} starts per database, alternating"
+        )
+    return f"mode: {'quick' if opts.quick else 'full'}; " + "; ".join(parts)

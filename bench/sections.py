@@ -1,0 +1,362 @@
+"""Sections (a) start rate, (b) hot key at its limit, (c) start latency with a big history."""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from bench import history
+from bench import report as _report
+from bench import starters
+from bench.pool import WorkerError, WorkerPool
+from bench.report import Report
+from bench.scratch import Scratch
+from durable.status import DEFAULT_CONCURRENCY_STATUSES
+
+Progress = Callable[[str], None]
+
+KINDS = ("durable", "raw", "procrastinate", "dbos")
+LABELS = {
+    "durable": "durable Engine.start",
+    "raw": "raw psycopg transaction",
+    "procrastinate": "procrastinate defer",
+    "dbos": "DBOS enqueue",
+}
+_COUNT = history.COUNT
+
+
+@dataclass
+class Options:
+    quick: bool
+    only: tuple[str, ...]
+    db_name: str
+    # (a)
+    seconds: float
+    rounds: int
+    procs: tuple[int, ...]
+    keys: int
+    # (b)
+    starters: int
+    hot_limit: int
+    hot_seconds: float
+    free_rate: float
+    # (c)
+    finished_runs: int
+    latency_starts: int
+    latency_keys: int = 100
+    #: Why procrastinate or DBOS is left out (kind -> reason), filled as the run goes.
+    unavailable: dict[str, str] = field(default_factory=dict)
+
+
+# -- (a) ------------------------------------------------------------------------
+def section_a(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch, progress: Progress) -> None:
+    """Starts per second on distinct keys, at each process count, against the baselines."""
+    _query_counts(report)
+    configs = [(kind, n) for n in opts.procs for kind in KINDS if kind not in opts.unavailable]
+    for kind, n in configs:
+        if kind in opts.unavailable:
+            continue
+        progress(f"(a) preparing {LABELS[kind]} in {n} process(es)")
+        replies = pool.call_lenient(range(n), {"cmd": "prepare", "kind": kind, "nkeys": opts.keys}, timeout=600)
+        _drop_failed(kind, replies, opts, pool, required=kind in ("durable", "raw"))
+    # rates[(kind, n)][round] = starts/s; cpu[(kind, n)] = client CPU seconds per start.
+    rates: dict[tuple[str, int], dict[int, float]] = {}
+    cpu: dict[tuple[str, int], list[float]] = {}
+    for r in range(opts.rounds):
+        # Reverse the order every other round, so drift in the machine's load
+        # does not always favour the same configuration.
+        for kind, n in configs if r % 2 == 0 else configs[::-1]:
+            if kind in opts.unavailable:
+                continue
+            message = {"cmd": "rate", "kind": kind, "seconds": opts.seconds, "nkeys": opts.keys, "size": n}
+            replies = pool.call_lenient(range(n), message, timeout=opts.seconds + 300)
+            if _drop_failed(kind, replies, opts, pool, required=kind in ("durable", "raw")):
+                continue
+            total = sum(rep["count"] / rep["elapsed"] for rep in replies)
+            refused = sum(rep["refused"] for rep in replies)
+            if refused:
+                report.note(f"(a) {LABELS[kind]} x{n}: {refused} starts were refused (quota full?)")
+            rates.setdefault((kind, n), {})[r] = total
+            cpu.setdefault((kind, n), []).append(sum(rep["cpu"] for rep in replies) / sum(rep["count"] for rep in replies))
+            progress(f"(a) round {r + 1}/{opts.rounds}: {LABELS[kind]}, {n} proc: {total:,.0f} starts/s")
+
+    for kind, n in configs:
+        values = list(rates.get((kind, n), {}).values())
+        if not values:
+            continue
+        detail = ", ".join(f"{v:,.0f}" for v in values)
+        note = f"median of {len(values)} rounds ({detail})" if len(values) > 1 else f"{opts.seconds:g} s"
+        note += f"; client CPU {_report.median(cpu[(kind, n)]) * 1000:.2f} ms/start"
+        report.row("a", f"{LABELS[kind]}, {n} proc", _report.rate(_report.median(values)), note)
+    for kind, reason in opts.unavailable.items():
+        report.row("a", LABELS[kind], "-", f"not run: {reason}")
+
+    def ratio(other: str, n: int) -> tuple[float | None, str]:
+        """Median over the rounds of durable's rate / the other's, each pair measured back to back."""
+        mine, theirs = rates.get(("durable", n), {}), rates.get((other, n), {})
+        pairs = [mine[r] / theirs[r] for r in mine if theirs.get(r)]
+        if not pairs:
+            return None, "-"
+        detail = f" (rounds: {', '.join(f'{x:.2f}' for x in pairs)})" if len(pairs) > 1 else ""
+        return _report.median(pairs), detail
+
+    for other in ("raw", "procrastinate", "dbos"):
+        for n in opts.procs:
+            value, detail = ratio(other, n)
+            if value is not None:
+                report.row("a", f"ratio durable/{other}, {n} proc", _report.ratio(value), detail.strip(" ()"))
+
+    n_raw = 4 if 4 in opts.procs else max(opts.procs)
+    value, _ = ratio("raw", n_raw)
+    report.target(
+        "a", f"durable/raw starts at {n_raw} processes", ">= 0.90x", value,
+        value is not None and value >= 0.9, _report.ratio(value) if value is not None else "-",
+        "" if n_raw == 4 else "(4 processes not measured: --procs)",
+    )  # fmt: skip
+    value, _ = ratio("procrastinate", 1) if 1 in opts.procs else (None, "")
+    report.target(
+        "a", "durable/procrastinate starts at 1 process", ">= 1.00x", value,
+        value is not None and value >= 1.0, _report.ratio(value) if value is not None else "-",
+        opts.unavailable.get("procrastinate", "" if 1 in opts.procs else "(1 process not measured: --procs)"),
+    )  # fmt: skip
+    report.note(
+        "(a) durable: Engine.start with a no-op dispatch (DEBUG off in the benchmark processes); raw: the same transaction in psycopg 3 "
+        "(BEGIN; SELECT lock row FOR UPDATE; COUNT tags; INSERT run; INSERT tag; COMMIT); "
+        "procrastinate: task.defer() on a SyncPsycopgConnector app; DBOS: DBOSClient.enqueue() onto a queue "
+        "(no executor running). Ratios are medians of per-round ratios, each pair measured back to back."
+    )
+
+
+def _query_counts(report: Report) -> None:
+    """How many SQL statements one start sends (first start of a key, then steady state)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    starter = starters.DurableStarter()
+    counts = []
+    for _ in range(2):
+        with CaptureQueriesContext(connection) as captured:
+            starter.start("queries-probe")
+        counts.append(len(captured.captured_queries))
+    report.row(
+        "a", "durable SQL statements per start", str(counts[1]),
+        f"BEGIN..COMMIT included; {counts[0]} for the first start of a key (creates its lock row)",
+    )  # fmt: skip
+
+
+def _drop_failed(kind: str, replies: list[dict[str, Any]], opts: Options, pool: WorkerPool, *, required: bool) -> bool:
+    failed = [rep for rep in replies if "error" in rep]
+    if not failed:
+        return False
+    pool.reset_barriers()
+    error = str(failed[0]["error"]).strip()
+    if required:
+        raise WorkerError(f"{LABELS[kind]} failed in benchmark process {failed[0]['worker']}:\n{error}")
+    opts.unavailable[kind] = error.splitlines()[-1]
+    return True
+
+
+# -- (b) ------------------------------------------------------------------------
+def section_b(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch, progress: Progress) -> None:
+    """One hot key at its limit: refusal latency, and over-admission with and without churn."""
+    n, limit = opts.starters, opts.hot_limit
+    conninfo = scratch.conninfo(scratch.main)
+    progress(f"(b) preparing {n} starter processes")
+    pool.call(range(n), {"cmd": "prepare", "kind": "hot", "limit": limit}, timeout=600)
+    parent = starters.DurableStarter()
+    parent.set_hot_limit(limit)
+
+    # Phase 1: the key is full and stays full; every start must be refused.
+    # First one starter alone (the uncontended baseline), then all of them.
+    key = "hot-refuse"
+    _prefill(parent, key, limit)
+    solo_seconds = min(2.0, opts.hot_seconds)
+    progress(f"(b) refusal baseline: 1 starter on a full key for {solo_seconds:g} s")
+    [solo] = pool.call([0], _storm(key, solo_seconds, 1), timeout=solo_seconds + 300)
+    solo_refused = sorted(solo["refused_us"])
+    progress(f"(b) refusal storm: {n} starters on a full key for {opts.hot_seconds:g} s")
+    replies = pool.call(range(n), _storm(key, opts.hot_seconds, n), timeout=opts.hot_seconds + 300)
+    refused = sorted(us for rep in replies for us in rep["refused_us"])
+    admitted = sum(len(rep["admitted_us"]) for rep in replies) + len(solo["admitted_us"])
+    active = _count(conninfo, key)
+    p50, p99 = _report.percentile(refused, 50), _report.percentile(refused, 99)
+    report.row(
+        "b", "refusal latency p50 / p99, 1 starter (baseline)",
+        f"{_report.ms(_report.percentile(solo_refused, 50))} / {_report.ms(_report.percentile(solo_refused, 99))}",
+        f"{len(solo_refused) / solo_seconds:,.0f} refusals/s",
+    )  # fmt: skip
+    rate = len(refused) / opts.hot_seconds
+    report.row("b", f"refusals ({n} starters, limit {limit}, {opts.hot_seconds:g} s)", f"{len(refused):,}",
+               f"{rate:,.0f} /s, i.e. one per {_report.ms(1e6 / rate) if rate else '-'} on the key; "
+               f"admitted {admitted} (must be 0)")  # fmt: skip
+    report.row("b", f"refusal latency p50, {n} starters", _report.ms(p50))
+    worst = f"max {_report.ms(refused[-1])}" if refused else ""
+    report.row("b", f"refusal latency p99, {n} starters", _report.ms(p99), worst)
+    report.row("b", "over-admission after refusal storm", str(max(0, active - limit)),
+               f"{active} runs in counted statuses, limit {limit}")  # fmt: skip
+
+    # Phase 2: slots free up while the starters race for them.
+    key = "hot-churn"
+    _prefill(parent, key, limit)
+    sampler = _Sampler(conninfo, key)
+    completer = _Completer(key, opts.free_rate)
+    progress(f"(b) churn: {n} starters race for slots freed at ~{opts.free_rate:g}/s for {opts.hot_seconds:g} s")
+    sampler.start()
+    completer.start()
+    try:
+        replies = pool.call(range(n), _storm(key, opts.hot_seconds, n), timeout=opts.hot_seconds + 300)
+    finally:
+        completer.stop.set()
+        completer.join()
+        sampler.stop.set()
+        sampler.join()
+    for thread in (sampler, completer):
+        if thread.error:
+            raise RuntimeError(f"{thread.name} failed:\n{thread.error}")
+    admitted_us = sorted(us for rep in replies for us in rep["admitted_us"])
+    refused_n = sum(len(rep["refused_us"]) for rep in replies)
+    final = _count(conninfo, key)
+    ledger = limit + len(admitted_us) - completer.done
+    high = max(sampler.high, final)
+    over = max(0, high - limit)
+    report.row("b", "churn: admitted / completed / refused",
+               f"{len(admitted_us):,} / {completer.done:,} / {refused_n:,}",
+               f"admitted p50 {_report.ms(_report.percentile(admitted_us, 50))}, "
+               f"p99 {_report.ms(_report.percentile(admitted_us, 99))}")  # fmt: skip
+    report.row("b", "churn: in-flight high-water mark", str(high),
+               f"max of {sampler.samples:,} COUNT samples and the final count; limit {limit}")  # fmt: skip
+    report.row("b", "churn: final in-flight", str(final),
+               f"ledger prefill + admitted - completed = {ledger}" + ("" if ledger == final else " (MISMATCH)"))
+    report.row("b", "over-admission during churn", str(over), f"high-water {high} - limit {limit}, floored at 0")
+
+    report.target(
+        "b", f"refusal latency p99 ({n} starters)", "<= 5 ms", p99 if refused else None, p99 <= 5000,
+        _report.ms(p99) if refused else "-", "" if refused else "no refusal measured",
+    )  # fmt: skip
+    storm_over = max(0, active - limit)
+    report.target("b", "over-admission after refusal storm", "== 0", storm_over, storm_over == 0 and admitted == 0,
+                  str(storm_over), "" if admitted == 0 else f"{admitted} starts admitted on a full key")  # fmt: skip
+    report.target("b", "over-admission during churn (high-water)", "== 0", over, over == 0 and ledger == final,
+                  str(over), "" if ledger == final else f"ledger {ledger} != final {final}")  # fmt: skip
+
+
+def _storm(key: str, seconds: float, size: int) -> dict[str, Any]:
+    return {"cmd": "storm", "key": key, "seconds": seconds, "size": size}
+
+
+def _prefill(parent: starters.DurableStarter, key: str, limit: int) -> None:
+    admitted = sum(parent.start(key, workflow=starters.HOT_WORKFLOW) for _ in range(limit))
+    if admitted != limit:
+        raise RuntimeError(f"pre-filling {key!r} admitted {admitted} of {limit} runs")
+
+
+def _count(conninfo: str, key: str) -> int:
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        row = conn.execute(_COUNT, ("concurrency:" + key, list(DEFAULT_CONCURRENCY_STATUSES))).fetchone()
+    return int(row[0]) if row else 0
+
+
+class _Sampler(threading.Thread):
+    """Counts the key's in-flight runs over and over on its own connection; keeps the maximum."""
+
+    def __init__(self, conninfo: str, key: str) -> None:
+        super().__init__(name="durable-bench-sampler", daemon=True)
+        self.conninfo, self.tag = conninfo, "concurrency:" + key
+        self.stop = threading.Event()
+        self.high = 0
+        self.samples = 0
+        self.error = ""
+
+    def run(self) -> None:
+        statuses = list(DEFAULT_CONCURRENCY_STATUSES)
+        try:
+            with psycopg.connect(self.conninfo, autocommit=True) as conn:
+                while not self.stop.is_set():
+                    row = conn.execute(_COUNT, (self.tag, statuses)).fetchone()
+                    self.high = max(self.high, int(row[0]) if row else 0)
+                    self.samples += 1
+                    self.stop.wait(0.0005)
+        except Exception:
+            self.error = traceback.format_exc()
+
+
+class _Completer(threading.Thread):
+    """Completes the key's oldest pending run about ``rate`` times a second (frees its slot)."""
+
+    def __init__(self, key: str, rate: float) -> None:
+        super().__init__(name="durable-bench-completer", daemon=True)
+        self.tag = "concurrency:" + key
+        self.interval = 1.0 / rate if rate > 0 else 1.0
+        self.stop = threading.Event()
+        self.done = 0
+        self.error = ""
+
+    def run(self) -> None:
+        from django.db import connection
+        from django.utils import timezone
+
+        from durable.models import WorkflowRun
+        from durable.stores.database import DjangoStore
+
+        store = DjangoStore()
+        try:
+            while not self.stop.is_set():
+                run_id = (
+                    WorkflowRun.objects.with_tag(self.tag).filter(status="pending")
+                    .order_by("id").values_list("run_id", flat=True).first()
+                )  # fmt: skip
+                if run_id is not None and store.transition(
+                    run_id, from_statuses=["pending"], to="completed", finished_at=timezone.now()
+                ):
+                    self.done += 1
+                self.stop.wait(self.interval)
+        except Exception:
+            self.error = traceback.format_exc()
+        finally:
+            connection.close()
+
+
+# -- (c) ------------------------------------------------------------------------
+def section_c(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch, progress: Progress) -> None:
+    """Start latency with ``finished_runs`` completed runs in the tables vs none."""
+    empty_db, big_db = scratch.copies
+    n = opts.finished_runs
+    progress(f"(c) loading {n:,} finished runs into {big_db}")
+    t0 = time.perf_counter()
+    history.load_finished(scratch.conninfo(big_db), n, opts.latency_keys)
+    loaded = time.perf_counter() - t0
+    for name in (empty_db, big_db):
+        history.vacuum_analyze(scratch.conninfo(name))
+    progress(f"(c) loaded in {loaded:.0f} s; measuring")
+    aliases = ["c0", "c1"]
+    pool.call([0], {"cmd": "prepare", "kind": "latency", "aliases": aliases, "nkeys": opts.latency_keys}, timeout=600)
+    message = {"cmd": "latency", "aliases": aliases, "starts": opts.latency_starts, "nkeys": opts.latency_keys}
+    [reply] = pool.call([0], message, timeout=600)
+    none = sorted(reply["latency_us"]["c0"])
+    big = sorted(reply["latency_us"]["c1"])
+    for label, values in (("0 finished runs", none), (f"{n:,} finished runs", big)):
+        report.row(
+            "c", f"start latency p50, {label}", _report.ms(_report.percentile(values, 50)),
+            f"p90 {_report.ms(_report.percentile(values, 90))}, mean {_report.ms(sum(values) / len(values))}, "
+            f"{len(values):,} starts",
+        )  # fmt: skip
+    p50_ratio = _report.percentile(big, 50) / _report.percentile(none, 50)
+    mean_ratio = (sum(big) / len(big)) / (sum(none) / len(none))
+    report.row(
+        "c", "latency ratio with/without history (p50)", _report.ratio(p50_ratio),
+        f"mean ratio {_report.ratio(mean_ratio)}",
+    )  # fmt: skip
+    for label, name in (("no", empty_db), (f"{n:,}", big_db)):
+        plan = history.count_plan(scratch.conninfo(name), "c-k0")
+        report.note(f"(c) the tag COUNT with {label} finished runs: {plan}")
+    report.target(
+        "c", f"start latency ratio, {n:,} finished runs vs none (p50)", "<= 1.15x", p50_ratio,
+        p50_ratio <= 1.15, _report.ratio(p50_ratio),
+        "" if n >= 1_000_000 else f"(--quick or --finished-runs: {n:,} rows, not 1,000,000)",
+    )  # fmt: skip

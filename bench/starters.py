@@ -1,0 +1,231 @@
+"""One "start" per system, as a benchmark process calls it.
+
+- ``DurableStarter``: the real ``Engine.start`` (lock row, count, insert run and
+  tag), with a no-op dispatch instead of the Celery send.
+- ``RawStarter``: the same logical transaction written by hand in psycopg 3,
+  statement for statement (see ``RawStarter.start``). It is the ceiling durable is
+  measured against, so it is written the way one would naturally write it.
+- ``ProcrastinateStarter``: ``task.defer()`` on a sync procrastinate app.
+- ``DbosStarter``: ``DBOSClient.enqueue()`` onto a DBOS queue. The client only
+  enqueues: no DBOS executor runs, so nothing dequeues during the measurement,
+  as with durable's no-op dispatch.
+
+The parent-side ``install_procrastinate`` and ``install_dbos`` put the two
+libraries' schemas into the scratch databases; each returns why it could not.
+"""
+
+from __future__ import annotations
+
+import traceback
+import uuid
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from bench import schema
+from durable.status import DEFAULT_CONCURRENCY_STATUSES
+
+#: Workflow started in section (a) and (c): a quota of ``RATE_LIMIT`` per key, so
+#: that nothing is refused there.
+WORKFLOW = "bench.noop"
+#: Workflow started against the hot key of section (b); its limit is set per run.
+HOT_WORKFLOW = "bench.hot"
+VERSION = "1"
+RATE_LIMIT = 1000
+#: Name of the procrastinate task and the DBOS workflow; the queue of both.
+JOB_NAME = "bench_noop"
+QUEUE = "bench"
+
+
+def key_of(input: dict[str, Any]) -> str:
+    """The concurrency key function of the benchmark workflows."""
+    return str(input["key"])
+
+
+def _noop_body(ctx: Any, input: Any) -> None:
+    return None
+
+
+def _no_dispatch(engine: Any, run: Any) -> None:
+    """Dispatch that sends nothing: the benchmark measures admission, not Celery."""
+
+
+def _noop_job(key: str) -> None:
+    return None
+
+
+class DurableStarter:
+    """``Engine.start`` on a private registry, with a no-op dispatch."""
+
+    def __init__(self, using: str = "default") -> None:
+        from durable import Concurrency, DjangoStore, Engine
+        from durable.runtime.registry import Registry
+
+        self._concurrency = Concurrency
+        self.engine = Engine(store=DjangoStore(using=using), dispatch=_no_dispatch, registry=Registry())
+        self.engine.register(WORKFLOW, VERSION, _noop_body, Concurrency(key=key_of, limit=RATE_LIMIT))
+
+    def set_hot_limit(self, limit: int) -> None:
+        self.engine.register(HOT_WORKFLOW, VERSION, _noop_body, self._concurrency(key=key_of, limit=limit))
+
+    def start(self, key: str, workflow: str = WORKFLOW) -> bool:
+        """Start one run; False when its quota refused it."""
+        from durable.exceptions import ConcurrencyLimitError
+
+        try:
+            self.engine.start(workflow, {"key": key})
+        except ConcurrencyLimitError:
+            return False
+        return True
+
+    def close(self) -> None:
+        from django.db import connections
+
+        connections.close_all()
+
+
+_SELECT_LOCK = 'SELECT "key", "limit", count_statuses FROM durable_concurrencylock WHERE "key" = %s FOR UPDATE'
+_UPDATE_LOCK = 'UPDATE durable_concurrencylock SET "limit" = %s, count_statuses = %s WHERE "key" = %s'
+_COUNT = "SELECT COUNT(*) FROM durable_runtag WHERE tag = %s AND status = ANY(%s)"
+
+
+class _Insert:
+    """A plain one-row ``INSERT`` of ``model`` in the columns Django's own insert sends."""
+
+    def __init__(self, model: Any, explicit: Sequence[str], suffix: str = "") -> None:
+        self.fields = schema.insert_fields(model, explicit)
+        columns = ", ".join(schema.column(f) for f in self.fields)
+        values = ", ".join(["%s"] * len(self.fields))
+        self.sql = f"INSERT INTO {model._meta.db_table} ({columns}) VALUES ({values}){suffix}"
+        self.defaults = {f.name: schema.default_param(f) for f in self.fields if f.name not in explicit}
+
+    def params(self, **values: Any) -> list[Any]:
+        return [values[f.name] if f.name in values else self.defaults[f.name] for f in self.fields]
+
+
+class RawStarter:
+    """Durable's admission transaction in plain psycopg 3 (one connection, psycopg defaults)."""
+
+    def __init__(self, conninfo: str) -> None:
+        from durable import models
+
+        self.conn = psycopg.connect(conninfo, autocommit=True)
+        self.statuses = list(DEFAULT_CONCURRENCY_STATUSES)
+        self.insert_lock = _Insert(models.ConcurrencyLock, ("key", "limit", "count_statuses"), " ON CONFLICT DO NOTHING")
+        self.insert_run = _Insert(
+            models.WorkflowRun,
+            ("run_id", "workflow", "version", "namespace", "status", "input", "dispatched_at"),
+            " RETURNING id",
+        )
+        self.insert_tag = _Insert(models.RunTag, ("run", "tag", "status", "namespace"))
+
+    def start(self, key: str, limit: int = RATE_LIMIT) -> bool:
+        """BEGIN; lock the key's row (creating it once); count; insert run and tag; COMMIT."""
+        tag = "concurrency:" + key
+        try:
+            with self.conn.transaction(), self.conn.cursor() as cur:
+                row = cur.execute(_SELECT_LOCK, (key,)).fetchone()
+                if row is None:
+                    lock = self.insert_lock.params(key=key, limit=limit, count_statuses=Jsonb(self.statuses))
+                    cur.execute(self.insert_lock.sql, lock)
+                    row = cur.execute(_SELECT_LOCK, (key,)).fetchone()
+                assert row is not None
+                if row[1] != limit or row[2] != self.statuses:
+                    cur.execute(_UPDATE_LOCK, (limit, Jsonb(self.statuses), key))
+                active = cur.execute(_COUNT, (tag, self.statuses)).fetchone()
+                if active is None or active[0] >= limit:
+                    raise _Refused
+                run_params = self.insert_run.params(
+                    run_id=uuid.uuid4().hex, workflow=WORKFLOW, version=VERSION, namespace="default",
+                    status="pending", input=Jsonb({"key": key}), dispatched_at=datetime.now(timezone.utc),
+                )  # fmt: skip
+                run = cur.execute(self.insert_run.sql, run_params).fetchone()
+                assert run is not None
+                tag_params = self.insert_tag.params(run=run[0], tag=tag, status="pending", namespace="default")
+                cur.execute(self.insert_tag.sql, tag_params)
+        except _Refused:
+            return False
+        return True
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class _Refused(Exception):
+    """Leaves the raw transaction (rolling it back) when the quota is full."""
+
+
+class ProcrastinateStarter:
+    """``defer()`` of a no-op task on a sync procrastinate app (``SyncPsycopgConnector``)."""
+
+    def __init__(self, conninfo: str) -> None:
+        import procrastinate
+
+        self.app = procrastinate.App(
+            connector=procrastinate.SyncPsycopgConnector(conninfo=conninfo, min_size=1, max_size=1)
+        )
+        self.task = self.app.task(name=JOB_NAME, queue=QUEUE)(_noop_job)
+        self.app.open()
+
+    def start(self, key: str) -> bool:
+        self.task.defer(key=key)
+        return True
+
+    def close(self) -> None:
+        self.app.close()
+
+
+class DbosStarter:
+    """``DBOSClient.enqueue()`` of a workflow onto a queue in DBOS's system database."""
+
+    def __init__(self, url: str) -> None:
+        from dbos import DBOSClient
+
+        self.client = DBOSClient(system_database_url=url)
+        self.options: Any = {"workflow_name": JOB_NAME, "queue_name": QUEUE}
+
+    def start(self, key: str) -> bool:
+        self.client.enqueue(self.options, key)
+        return True
+
+    def close(self) -> None:
+        self.client.destroy()
+
+
+def install_procrastinate(conninfo: str) -> str | None:
+    """Apply procrastinate's schema to the scratch database; return why not, or None."""
+    try:
+        import procrastinate
+    except ImportError as exc:
+        return f"procrastinate is not installed ({exc}); pip install -e '.[bench]'"
+    try:
+        app = procrastinate.App(connector=procrastinate.SyncPsycopgConnector(conninfo=conninfo, min_size=1, max_size=1))
+        app.open()
+        try:
+            app.schema_manager.apply_schema()
+        finally:
+            app.close()
+    except Exception as exc:
+        return _why("applying procrastinate's schema failed", exc)
+    return None
+
+
+def install_dbos(url: str) -> str | None:
+    """Create DBOS's system tables in their scratch database; return why not, or None."""
+    try:
+        from dbos import DBOS
+    except ImportError as exc:
+        return f"dbos is not installed ({exc}); pip install -e '.[bench]'"
+    try:
+        DBOS.migrate(url)
+    except Exception as exc:
+        return _why("migrating DBOS's system database failed", exc)
+    return None
+
+
+def _why(what: str, exc: BaseException) -> str:
+    last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    return f"{what}: {last}"

@@ -1,0 +1,197 @@
+"""What a benchmark process runs (started with the 'spawn' method by ``bench.pool``).
+
+It sets Django up on the scratch databases, then serves commands from its own
+queue until "stop". Commands and replies are JSON strings; nothing else crosses
+the process boundary. A command's heavy set-up (connections, warm-up starts) is
+its "prepare" step, answered before the parent sends the timed command, which
+starts on a barrier shared by the processes taking part.
+
+Commands (``cmd``):
+
+- ``prepare``: open the starter of ``kind`` (durable, raw, procrastinate, dbos;
+  ``hot`` registers the hot workflow with ``limit``; ``latency`` opens durable on
+  each of ``aliases``) and warm it up.
+- ``rate``: start runs of ``kind`` round-robin over this process's ``nkeys`` keys
+  for ``seconds``; reply the count, the elapsed time and the CPU time used.
+- ``storm``: start the hot workflow on ``key`` for ``seconds``; reply the
+  admitted and refused counts and their latencies (microseconds).
+- ``latency``: ``starts`` starts on each alias, alternating between the aliases
+  start by start; reply every start's latency (microseconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from typing import Any
+
+from bench import starters
+
+Reply = dict[str, Any]
+
+
+def serve(index: int, databases: str, barrier_sizes: list[int], barriers: list[Any], commands: Any, results: Any) -> None:
+    """Entry point of a benchmark process. ``databases``: JSON of alias -> name, plus URLs."""
+    config = json.loads(databases)
+    try:
+        _setup_django(config["aliases"])
+        worker = _Worker(index, config, dict(zip(barrier_sizes, barriers)))
+    except BaseException:
+        results.put(json.dumps({"worker": index, "id": 0, "error": traceback.format_exc()}))
+        return
+    results.put(json.dumps({"worker": index, "id": 0, "ready": os.getpid()}))
+    try:
+        while True:
+            message = json.loads(commands.get())
+            if message["cmd"] == "stop":
+                break
+            try:
+                reply = worker.handle(message)
+            except Exception:
+                reply = {"error": traceback.format_exc()}
+            reply.update(worker=index, id=message["id"])
+            results.put(json.dumps(reply))
+    finally:
+        worker.close()
+
+
+def _setup_django(aliases: dict[str, str]) -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "testproject.settings")
+    import django
+    from django.conf import settings
+
+    base: dict[str, Any] = dict(settings.DATABASES["default"])
+    for alias, name in aliases.items():
+        settings.DATABASES[alias] = {**base, "NAME": name}
+    # As in production: DEBUG would also make Django log every query it sends.
+    settings.DEBUG = False
+    django.setup()
+
+
+class _Worker:
+    def __init__(self, index: int, config: dict[str, Any], barriers: dict[int, Any]) -> None:
+        self.index = index
+        self.config = config
+        self.barriers = barriers
+        self.starters: dict[str, Any] = {}
+        self.cursors: dict[str, int] = {}
+
+    # -- commands ------------------------------------------------------------
+    def handle(self, message: dict[str, Any]) -> Reply:
+        cmd = message["cmd"]
+        if cmd == "prepare":
+            return self.prepare(message)
+        if cmd == "rate":
+            return self.rate(message["kind"], float(message["seconds"]), int(message["nkeys"]), int(message["size"]))
+        if cmd == "storm":
+            return self.storm(message["key"], float(message["seconds"]), int(message["size"]))
+        if cmd == "latency":
+            return self.latency(message["aliases"], int(message["starts"]), int(message["nkeys"]))
+        raise ValueError(f"unknown command {cmd!r}")
+
+    def prepare(self, message: dict[str, Any]) -> Reply:
+        kind = message["kind"]
+        if kind == "hot":
+            durable = self._starter("durable")
+            durable.set_hot_limit(int(message["limit"]))
+            return {"ok": True}
+        if kind == "latency":
+            for alias in message["aliases"]:
+                starter = self._starter(f"durable@{alias}")
+                for j in range(int(message["nkeys"])):
+                    starter.start(_latency_key(j))
+            return {"ok": True}
+        starter = self._starter(kind)
+        if kind not in self.cursors:
+            self.cursors[kind] = 0
+            keys = self._keys(kind, int(message["nkeys"]))
+            # One start per key: creates the keys' lock rows (a one-time cost per
+            # key) and warms the connection, so the timed runs see steady state.
+            warm = keys if kind in ("durable", "raw") else keys[:20]
+            for key in warm:
+                starter.start(key)
+        return {"ok": True}
+
+    def rate(self, kind: str, seconds: float, nkeys: int, size: int) -> Reply:
+        starter = self.starters[kind]
+        keys = self._keys(kind, nkeys)
+        i = self.cursors[kind]
+        count = refused = 0
+        self.barriers[size].wait(timeout=120)
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        deadline = t0 + seconds
+        while True:
+            if not starter.start(keys[i % nkeys]):
+                refused += 1
+            i += 1
+            count += 1
+            if time.perf_counter() >= deadline:
+                break
+        elapsed = time.perf_counter() - t0
+        self.cursors[kind] = i
+        return {"count": count, "elapsed": elapsed, "refused": refused, "cpu": time.process_time() - cpu0}
+
+    def storm(self, key: str, seconds: float, size: int) -> Reply:
+        durable = self.starters["durable"]
+        admitted: list[int] = []
+        refused: list[int] = []
+        self.barriers[size].wait(timeout=120)
+        deadline = time.perf_counter() + seconds
+        while True:
+            t = time.perf_counter()
+            ok = durable.start(key, workflow=starters.HOT_WORKFLOW)
+            now = time.perf_counter()
+            (admitted if ok else refused).append(int((now - t) * 1e6))
+            if now >= deadline:
+                break
+        return {"admitted_us": admitted, "refused_us": refused}
+
+    def latency(self, aliases: list[str], starts: int, nkeys: int) -> Reply:
+        """``starts`` timed starts on each alias, alternating start by start (AB BA AB ...)."""
+        out: dict[str, list[int]] = {alias: [] for alias in aliases}
+        pairs = [(alias, self.starters[f"durable@{alias}"]) for alias in aliases]
+        self.barriers[1].wait(timeout=120)
+        for i in range(starts):
+            key = _latency_key(i % nkeys)
+            for alias, starter in pairs if i % 2 == 0 else pairs[::-1]:
+                t = time.perf_counter()
+                starter.start(key)
+                out[alias].append(int((time.perf_counter() - t) * 1e6))
+        return {"latency_us": out}
+
+    # -- helpers -------------------------------------------------------------
+    def _keys(self, kind: str, nkeys: int) -> list[str]:
+        return [f"{kind}-w{self.index}-k{j}" for j in range(nkeys)]
+
+    def _starter(self, kind: str) -> Any:
+        starter = self.starters.get(kind)
+        if starter is None:
+            starter = self.starters[kind] = self._open(kind)
+        return starter
+
+    def _open(self, kind: str) -> Any:
+        if kind == "durable":
+            return starters.DurableStarter()
+        if kind.startswith("durable@"):
+            return starters.DurableStarter(using=kind.partition("@")[2])
+        if kind == "raw":
+            return starters.RawStarter(self.config["conninfo"])
+        if kind == "procrastinate":
+            return starters.ProcrastinateStarter(self.config["conninfo"])
+        if kind == "dbos":
+            return starters.DbosStarter(self.config["dbos_url"])
+        raise ValueError(f"unknown starter {kind!r}")
+
+    def close(self) -> None:
+        for starter in self.starters.values():
+            try:
+                starter.close()
+            except Exception:
+                pass
+
+
+def _latency_key(j: int) -> str:
+    return f"c-k{j}"

@@ -1,0 +1,131 @@
+"""``manage.py durable_bench``: measure start throughput, refusal latency and quota exactness.
+
+A benchmark, not a test: it prints what it measured, ratios against baselines
+measured in the same run, and one PASS/MISS line per target. It runs on
+PostgreSQL only, in throw-away databases that it creates and drops (never the
+project's database). The machinery lives in ``bench/`` at the top of the
+repository, so the command runs from a checkout; install the competitors with
+``pip install -e '.[bench]'``.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import FrameType
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import connection
+
+SECTIONS = ("a", "b", "c")
+
+#: Defaults of a full run (about 4-5 minutes on 2 cores) and of --quick.
+FULL = {
+    "seconds": 3.0, "rounds": 5, "hot_seconds": 5.0,
+    "finished_runs": 1_000_000, "latency_starts": 2000,
+}  # fmt: skip
+QUICK = {
+    "seconds": 2.0, "rounds": 1, "hot_seconds": 2.0,
+    "finished_runs": 100_000, "latency_starts": 600,
+}  # fmt: skip
+
+
+class Command(BaseCommand):
+    help = (
+        "Benchmark durable's start path on PostgreSQL in scratch databases: (a) starts/s vs raw psycopg, "
+        "procrastinate and DBOS; (b) a hot key at its limit (refusal latency, over-admission); "
+        "(c) start latency with a million finished runs."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--quick", action="store_true", help="Shorter run (about a minute); 100,000 rows in (c).")
+        parser.add_argument("--only", default=",".join(SECTIONS), help="Sections to run, e.g. 'a,c' (default: a,b,c).")
+        parser.add_argument(
+            "--db-name", default="durable_bench",
+            help="Name of the scratch database (dropped if it exists, and at the end); "
+            "(c) and DBOS add _c0, _c1 and _dbos to it.",
+        )  # fmt: skip
+        a = parser.add_argument_group("(a) start rate")
+        a.add_argument("--seconds", type=float, help="Seconds per configuration and round (full 3, quick 2).")
+        a.add_argument("--rounds", type=int, help="Rounds over all configurations (full 5, quick 1).")
+        a.add_argument("--procs", default="1,4", help="Process counts (default 1,4).")
+        a.add_argument("--keys", type=int, default=100, help="Keys per process, started round-robin (default 100).")
+        b = parser.add_argument_group("(b) hot key")
+        b.add_argument("--starters", type=int, default=16, help="Concurrent starter processes (default 16).")
+        b.add_argument("--hot-limit", type=int, default=10, help="Limit of the hot key (default 10).")
+        b.add_argument("--hot-seconds", type=float, help="Seconds per phase (full 5, quick 2).")
+        b.add_argument("--free-rate", type=float, default=100.0, help="Slots freed per second in the churn phase.")
+        c = parser.add_argument_group("(c) big history")
+        c.add_argument("--finished-runs", type=int, help="Finished runs loaded (full 1,000,000, quick 100,000).")
+        c.add_argument(
+            "--latency-starts", type=int,
+            help="Timed starts per database, alternating between the two (full 2000, quick 600).",
+        )  # fmt: skip
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if connection.vendor != "postgresql":
+            raise CommandError(
+                f"durable_bench runs on PostgreSQL only; the 'default' database is {connection.vendor}. "
+                "Point it at a PostgreSQL server, e.g. DATABASE_URL=postgres://user@host:5432/db."
+            )
+        try:
+            from bench import runner, sections
+            from bench.pool import WorkerError
+            from bench.scratch import ScratchError
+        except ImportError as exc:
+            raise CommandError(
+                f"durable_bench needs the bench/ package of a durable checkout ({exc}); "
+                "run it from the repository root: python manage.py durable_bench"
+            ) from exc
+        opts = sections.Options(**_resolve(options))
+        # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the scratch
+        # databases and the benchmark processes are still cleaned up.
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            report = runner.run(opts, self._progress)
+        except (ScratchError, WorkerError) as exc:
+            raise CommandError(str(exc)) from exc
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        self.stdout.write(report.render(), ending="")
+
+    def _progress(self, text: str) -> None:
+        self.stderr.write(f"  .. {text}")
+        sys.stderr.flush()
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"durable_bench stopped by signal {signum}")
+
+
+def _resolve(options: dict[str, Any]) -> dict[str, Any]:
+    only = tuple(s.strip().lower() for s in str(options["only"]).split(",") if s.strip())
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown or not only:
+        raise CommandError(f"--only takes sections among {', '.join(SECTIONS)}, got {options['only']!r}.")
+    try:
+        procs = tuple(sorted({int(p) for p in str(options["procs"]).split(",") if p.strip()}))
+    except ValueError:
+        raise CommandError(f"--procs takes process counts like '1,4', got {options['procs']!r}.") from None
+    profile = QUICK if options["quick"] else FULL
+    values = {k: options[k] if options.get(k) is not None else v for k, v in profile.items()}
+    for name in ("keys", "starters", "hot_limit", "rounds", "latency_starts"):
+        value = options.get(name) if options.get(name) is not None else values.get(name)
+        if value is not None and int(value) < 1:
+            raise CommandError(f"--{name.replace('_', '-')} must be at least 1, got {value}.")
+    if not procs or min(procs) < 1:
+        raise CommandError(f"--procs takes positive process counts, got {options['procs']!r}.")
+    if options["finished_runs"] is not None and options["finished_runs"] < 0:
+        raise CommandError("--finished-runs must be 0 or more.")
+    return {
+        "quick": bool(options["quick"]),
+        "only": tuple(s for s in SECTIONS if s in only),
+        "db_name": str(options["db_name"]),
+        "procs": procs,
+        "keys": int(options["keys"]),
+        "starters": int(options["starters"]),
+        "hot_limit": int(options["hot_limit"]),
+        "free_rate": float(options["free_rate"]),
+        **values,
+    }
