@@ -253,15 +253,13 @@ class Engine:
         )
         tags = [q.tag for q in quotas]
         try:
-            with self.store.admission(quotas):
-                decision = admission.decide(self, definition.name, quotas)
-                record.status = decision.status
-                if decision.status == RunStatus.CANCELLED:
-                    record.error = {"type": "durable.cancel_newest", "message": decision.reason}
-                    record.finished_at = timezone.now()
-                self.store.create_run(record, tags)
-                for victim in decision.victims:  # CANCEL_IN_PROGRESS
-                    self._cancel(victim, reason=f"Cancelled to make room for run {record.run_id!r} (CANCEL_IN_PROGRESS).")
+            admit = getattr(self.store, "admit", None)
+            if not (
+                admit is not None
+                and all(q.strategy is _concurrency.Strategy.REJECT for q in quotas)
+                and admit(record, quotas, count_namespace=self.read_namespace)
+            ):
+                self._admit(definition.name, record, quotas)
         except RunExists:
             # Another starter created the same explicit run id first.
             existing = self.store.get_run(record.run_id)
@@ -274,6 +272,19 @@ class Engine:
             self.store.on_commit(lambda: self.promoter.promote([q.key for q in quotas]))
         record.tags = tags
         return RunHandle(self, record, created=True)
+
+    def _admit(self, workflow: str, record: RunRecord, quotas: Sequence[_concurrency.Quota]) -> None:
+        """The generic admission, through the store's ``admission``/``count_runs``:
+        lock the keys, count, apply the strategies, create the run."""
+        with self.store.admission(quotas):
+            decision = admission.decide(self, workflow, quotas)
+            record.status = decision.status
+            if decision.status == RunStatus.CANCELLED:
+                record.error = {"type": "durable.cancel_newest", "message": decision.reason}
+                record.finished_at = timezone.now()
+            self.store.create_run(record, [q.tag for q in quotas])
+            for victim in decision.victims:  # CANCEL_IN_PROGRESS
+                self._cancel(victim, reason=f"Cancelled to make room for run {record.run_id!r} (CANCEL_IN_PROGRESS).")
 
     def _restarted(self, existing: RunRecord, workflow: str) -> RunHandle:
         """An idempotent re-start returns the existing run, if it is this start's run."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -13,6 +14,7 @@ from django.db.models import F, Min, Q
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from durable import exceptions
 from durable.concurrency import TAG_PREFIX, Quota
 from durable.status import TERMINAL_STATUSES, RunStatus
 from durable.stores.base import RunExists, RunRecord, StepEntry, group_keys
@@ -110,6 +112,32 @@ class DjangoStore:
                 row = locks.get(key=quota.key)
             if row.limit != quota.limit or row.count_statuses != statuses:
                 Lock.objects.using(self.using).filter(key=quota.key).update(limit=quota.limit, count_statuses=statuses)
+
+    def admit(self, record: RunRecord, quotas: Sequence[Quota], *, count_namespace: str | None) -> bool:
+        """The whole REJECT admission in one round trip, on PostgreSQL (the function
+        ``durable_admit``): False when this database has no such path (use the
+        generic one). Raises ``ConcurrencyLimitError`` or ``RunExists``."""
+        connection = connections[self.using]
+        if connection.vendor != "postgresql":
+            return False
+        ordered = sorted(quotas, key=lambda q: q.key)
+        groups = group_keys([q.tag for q in ordered])
+        payload = [
+            {"key": q.key, "limit": q.limit, "statuses": list(q.count_statuses), "group": groups[q.tag]}
+            for q in ordered
+        ]
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT * FROM durable_admit(%s::jsonb, %s, %s, %s, %s, %s, %s::jsonb, %s, %s)",
+                [json.dumps(payload), count_namespace, record.run_id, record.workflow, record.version,
+                 record.namespace, json.dumps(record.input), record.parent_run_id, record.queue],
+            )  # fmt: skip
+            outcome, key, limit, active, _ = cursor.fetchone()
+        if outcome == "full":
+            raise exceptions.ConcurrencyLimitError(workflow=record.workflow, key=key, limit=limit, active=active)
+        if outcome == "exists":
+            raise RunExists(record.run_id)
+        return True
 
     def create_run(self, record: RunRecord, tags: Sequence[str]) -> None:
         models = _models()
