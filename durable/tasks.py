@@ -105,7 +105,8 @@ def _unblock_on_worker_start(sender: Any = None, **kwargs: Any) -> None:
         queues = [q.name for q in sender.task_consumer.queues]
         from durable import engine
 
-        unblocked = engine.executor.check_remote_queues(live_queues=queues)[1]
+        # Only unblock: this worker knows its own queues, not which others are served.
+        unblocked = engine.executor.check_remote_queues(live_queues=queues, block=False)[1]
         if unblocked:
             logger.info("Unblocked %d runs waiting for queues %s.", len(unblocked), ", ".join(queues))
     except Exception:  # a worker must start even if this fails: the sweeper covers it

@@ -217,7 +217,7 @@ class WorkflowContext:
         step_name = f"durable.start_child:{name}"
         position, recorded = self._next(step_name)
         if recorded is not None and recorded.outcome == "completed":
-            return self.engine.get_run(recorded.output["run_id"])
+            return self.engine.in_namespace(self.run.namespace).get_run(recorded.output["run_id"])
         if recorded is not None and recorded.outcome == "failed":
             raise _child_error(recorded.error)
         handle = self._start_child(name, input, run_id, concurrency, position, step_name)
@@ -230,7 +230,7 @@ class WorkflowContext:
         self.engine.ensure_running(self.run_id, self._lease)
         child_id = run_id or f"{self.run_id}:{position}"
         try:
-            return self.engine.in_namespace(self.run.namespace).start(
+            handle = self.engine.in_namespace(self.run.namespace).start(
                 name, input, run_id=child_id, concurrency=concurrency, parent_run_id=self.run_id
             )
         except exceptions.ConcurrencyLimitError as exc:
@@ -241,6 +241,16 @@ class WorkflowContext:
             }
             self._record(StepEntry(position, step_name, "failed", error=error))
             raise _child_error(error) from exc
+        if handle.record.parent_run_id != self.run_id:
+            # An explicit run id naming a run that is not this run's child: nothing
+            # would ever wake the parent for it.
+            error = {
+                "type": "durable.exceptions.ChildWorkflowError",
+                "message": f"Run id {child_id!r} belongs to a run that is not a child of {self.run_id!r}.",
+            }
+            self._record(StepEntry(position, step_name, "failed", error=error))
+            raise _child_error(error)
+        return handle
 
     # -- journal ---------------------------------------------------------------------------
     def _next(self, name: str) -> tuple[int, StepEntry | None]:

@@ -410,7 +410,7 @@ class Engine:
             raise exceptions.RunTerminalError(
                 f"Run {run_id!r} is already {run.status}; it cannot receive signals.", run_id=run_id, status=run.status
             )
-        self.executor.resume(run, waiting_for=f"signal:{name}")
+        self.executor.resume(run, waiting_for=f"signal:{name}")  # if it waits for this signal
         return self.get_run(run_id)
 
     def emit(self, name: str, payload: Any = None, event_id: str | None = None) -> EmitResult:

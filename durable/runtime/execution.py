@@ -89,21 +89,33 @@ class Executor:
             self.ended(run)
 
     def ended(self, run: RunRecord) -> None:
-        """A run reached a terminal status: free its slots, wake a parent waiting for it."""
-        self.released(run.run_id)
-        if run.parent_run_id:
-            parent = self.store.get_run(run.parent_run_id)
-            if parent is not None:
-                self.resume(parent, waiting_for=f"child:{run.run_id}")
+        """A run reached a terminal status: free its slots, wake a parent waiting for it.
 
-    def released(self, run_id: str) -> None:
-        """A run left the counted statuses: hand its keys' free slots to queued runs."""
-        keys = self.store.run_keys(run_id)
+        Both happen after commit, outside any admission this end is part of (a
+        CANCEL_IN_PROGRESS victim), so no keys are locked out of order.
+        """
+        self.released(run)
+        if run.parent_run_id:
+            parent_id, waiting_for = run.parent_run_id, f"child:{run.run_id}"
+            self.store.on_commit(lambda: self._wake_parent(parent_id, waiting_for))
+
+    def _wake_parent(self, parent_id: str, waiting_for: str) -> None:
+        parent = self.store.get_run(parent_id)
+        if parent is not None:
+            # No check of the status read here: the compare-and-set locks the parent's
+            # row, so a parent committing its suspension right now is seen suspended.
+            self.resume(parent, waiting_for=waiting_for)
+
+    def released(self, run: RunRecord) -> None:
+        """A run left the counted statuses: hand its keys' free slots to queued runs
+        (counted in the run's namespace when reads are fenced)."""
+        keys = self.store.run_keys(run.run_id)
         if keys:
-            self.store.on_commit(lambda: self.engine.promoter.promote(keys))
+            promoter = self.engine.in_namespace(run.namespace).promoter
+            self.store.on_commit(lambda: promoter.promote(keys))
 
     def _suspended(self, run: RunRecord, wake_at: datetime | None) -> None:
-        self.released(run.run_id)  # if "suspended" does not count for a key, its slot is free now
+        self.released(run)  # if "suspended" does not count for a key, its slot is free now
         wake_later = getattr(self.engine.dispatch, "wake_later", None)
         if wake_at is not None and wake_later is not None:
             # A fast path only: the sweeper wakes due runs from the database too.
@@ -142,35 +154,40 @@ class Executor:
 
     # -- waking --------------------------------------------------------------------------------
     def resume(self, run: RunRecord, *, waiting_for: str | None = None, due: bool = False) -> bool:
-        """Wake a suspended run (compare-and-set on what it waits for).
+        """Wake a suspended run: compare-and-set on what it waits for (``waiting_for``:
+        a signal or a child), or on its timer (``due``)."""
+        if waiting_for is not None:
+            expect: dict[str, Any] = {"waiting_for": waiting_for}
+        else:
+            if run.status != RunStatus.SUSPENDED or run.wake_at is None or (due and run.wake_at > timezone.now()):
+                return False
+            expect = {"waiting_for": run.waiting_for, "wake_at": run.wake_at}
+        return self.reenter(run, RunStatus.SUSPENDED, expect=expect, waiting_for="", wake_at=None)
 
-        If it holds no slot while suspended (``suspended`` is not counted for one
-        of its keys) and such a key is full now, it is ``queued`` instead: it gets
-        the next free slot, so resuming never takes a key over its limit.
+    def reenter(self, run: RunRecord, from_status: str, *, expect: dict[str, Any] | None = None, **fields: Any) -> bool:
+        """Move a ``suspended`` or ``blocked`` run back to work (compare-and-set).
+
+        Where ``from_status`` held no slot of a key (it is not in the key's counted
+        statuses) and that key is full now, the run is ``queued`` instead of
+        ``pending``: it gets the key's next free slot, so coming back never takes a
+        key over its limit.
         """
-        if run.status != RunStatus.SUSPENDED:
-            return False
-        if waiting_for is not None and run.waiting_for != waiting_for:
-            return False
-        if due and (run.wake_at is None or run.wake_at > timezone.now()):
-            return False
-        expect = {"waiting_for": run.waiting_for, "wake_at": run.wake_at}
+        engine = self.engine.in_namespace(run.namespace)
         settings_by_key = self.store.quota_settings(self.store.run_keys(run.run_id))
         recount = [
             Quota(key, limit, statuses)
             for key, (limit, statuses) in sorted(settings_by_key.items())
-            if limit is not None and statuses and RunStatus.SUSPENDED not in statuses
+            if limit is not None and statuses and from_status not in statuses
         ]
         with self.store.admission(recount):
-            full = any(self.engine._count(q.tag, q.count_statuses) >= q.limit for q in recount)
+            full = any(engine._count(q.tag, q.count_statuses) >= q.limit for q in recount)
             to = RunStatus.QUEUED if full else RunStatus.PENDING
-            woken = self.store.transition(
-                run.run_id, from_statuses=[RunStatus.SUSPENDED], to=to, expect=expect,
-                waiting_for="", wake_at=None, dispatched_at=timezone.now(),
-            )  # fmt: skip
-        if woken and to == RunStatus.PENDING:
+            moved = self.store.transition(
+                run.run_id, from_statuses=[from_status], to=to, expect=expect, dispatched_at=timezone.now(), **fields
+            )
+        if moved and to == RunStatus.PENDING:
             self.engine.dispatch(self.engine, run)
-        return woken
+        return moved
 
     def wake_due(self, run_id: str) -> bool:
         """The timer of a sleep or a signal timeout went off (a late or repeated timer does nothing)."""
@@ -189,7 +206,11 @@ class Executor:
                 self.engine.dispatch(self.engine, run)
             logger.warning("Sweep re-dispatched %d orphaned and %d undelivered runs.", len(orphaned), len(undelivered))
         woken = [r.run_id for r in self.store.due_runs(now) if self.resume(r, due=True)]
-        promoted = self.engine.promoter.promote(self.store.keys_with_queued())
+        promoted = [
+            run_id
+            for namespace, keys in self.store.keys_with_queued().items()
+            for run_id in self.engine.in_namespace(namespace).promoter.promote(keys)
+        ]
         if promoted:
             logger.warning("Sweep started %d queued runs whose keys had room.", len(promoted))
         blocked, unblocked = self.check_remote_queues()
@@ -203,10 +224,12 @@ class Executor:
         }
 
     # -- remote workflows ------------------------------------------------------------------------
-    def check_remote_queues(self, live_queues: Sequence[str] | None = None) -> tuple[list[str], list[str]]:
-        """Mark pending runs of queues no live worker consumes ``blocked``; send
-        blocked runs whose queue has a worker again. ``live_queues`` defaults to
-        asking the Celery workers (only when there are such runs)."""
+    def check_remote_queues(
+        self, live_queues: Sequence[str] | None = None, *, block: bool = True
+    ) -> tuple[list[str], list[str]]:
+        """Mark pending runs of queues no live worker consumes ``blocked`` (when
+        ``block``); send blocked runs whose queue has a worker again. ``live_queues``
+        defaults to asking the Celery workers (only when there are such runs)."""
         runs = self.store.runs_on_queues([RunStatus.PENDING, RunStatus.BLOCKED])
         if not runs:
             return [], []
@@ -218,14 +241,12 @@ class Executor:
         live = set(live_queues)
         blocked, unblocked = [], []
         for run in runs:
-            if run.status == RunStatus.PENDING and run.queue not in live:
+            if block and run.status == RunStatus.PENDING and run.queue not in live:
                 if self.store.transition(run.run_id, from_statuses=[RunStatus.PENDING], to=RunStatus.BLOCKED):
                     blocked.append(run.run_id)
+                    self.released(run)  # if "blocked" does not count for a key, its slot is free now
             elif run.status == RunStatus.BLOCKED and run.queue in live:
-                if self.store.transition(
-                    run.run_id, from_statuses=[RunStatus.BLOCKED], to=RunStatus.PENDING, dispatched_at=timezone.now()
-                ):
-                    self.engine.dispatch(self.engine, run)
+                if self.reenter(run, RunStatus.BLOCKED):
                     unblocked.append(run.run_id)
         if blocked:
             logger.warning("%d runs are blocked: no live worker consumes their queue.", len(blocked))
@@ -234,4 +255,3 @@ class Executor:
 
 def _worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{threading.current_thread().name}"
-

@@ -391,9 +391,17 @@ class DjangoStore:
     def set_rr_cursor(self, key: str, group: str) -> None:
         _models().ConcurrencyLock.objects.using(self.using).filter(key=key).update(rr_cursor=group)
 
-    def keys_with_queued(self) -> list[str]:
-        tags = self._tags().filter(status=RunStatus.QUEUED).values_list("tag", flat=True).distinct()
-        return sorted(t[len(TAG_PREFIX) :] for t in tags if t.startswith(TAG_PREFIX))
+    def keys_with_queued(self) -> dict[str, list[str]]:
+        rows = (
+            self._tags()
+            .filter(status=RunStatus.QUEUED, tag__startswith=TAG_PREFIX)
+            .values_list("namespace", "tag")
+            .distinct()
+        )
+        found: dict[str, list[str]] = {}
+        for namespace, tag in sorted(rows):
+            found.setdefault(namespace, []).append(tag[len(TAG_PREFIX) :])
+        return found
 
     # -- recovery ------------------------------------------------------------
     def orphaned_runs(self, heartbeat_before: datetime) -> list[RunRecord]:

@@ -293,10 +293,19 @@ class InMemoryStore:
         with self._lock:
             self._cursors[key] = group
 
-    def keys_with_queued(self) -> list[str]:
+    def keys_with_queued(self) -> dict[str, list[str]]:
         with self._lock:
-            tags = {t for r in self._runs.values() if r.status == RunStatus.QUEUED for t in r.tags}
-            return sorted(t[len(TAG_PREFIX) :] for t in tags if t.startswith(TAG_PREFIX))
+            pairs = {
+                (r.namespace, t[len(TAG_PREFIX) :])
+                for r in self._runs.values()
+                if r.status == RunStatus.QUEUED
+                for t in r.tags
+                if t.startswith(TAG_PREFIX)
+            }
+        found: dict[str, list[str]] = {}
+        for namespace, key in sorted(pairs):
+            found.setdefault(namespace, []).append(key)
+        return found
 
     # -- recovery ------------------------------------------------------------
     def orphaned_runs(self, heartbeat_before: datetime) -> list[RunRecord]:

@@ -17,6 +17,7 @@ from durable import (
     Engine,
     InMemoryStore,
     RunStatus,
+    Strategy,
 )
 from durable.exceptions import RunTerminalError, SignalTimeout
 from durable.runtime import Registry
@@ -357,3 +358,53 @@ def test_in_flight_runs_finish_on_the_version_they_started_on(engine: Engine, di
     run_pending(engine, dispatcher)
     assert (old.record.version, new.record.version, pinned.record.version) == ("1", "2", "1")
     assert [old.result(timeout=1), new.result(timeout=1), pinned.result(timeout=1)] == ["v1", "v2", "v1"]
+
+
+def test_child_with_the_run_id_of_a_foreign_run_fails_instead_of_waiting_forever(
+    engine: Engine, dispatcher: Dispatcher
+) -> None:
+    engine.register("child", "1", approval)
+    engine.register("parent", "1", lambda ctx, input: ctx.child("child", {}, run_id="not-mine"))
+    engine.start("child", {}, run_id="not-mine")  # exists already, started by nobody's parent
+    parent = engine.start("parent", {})
+    run_pending(engine, dispatcher)
+    assert parent.refresh().status == RunStatus.FAILED
+    assert "is not a child of" in parent.error["message"]
+
+
+def test_a_blocked_run_that_held_no_slot_comes_back_queued_when_its_key_is_full(
+    engine: Engine, dispatcher: Dispatcher
+) -> None:
+    quota = Concurrency(key="billing", limit=1, count_statuses=["pending", "running"])
+    engine.register_remote("billing.charge", "1", queue="billing", concurrency=quota)
+    first = engine.start("billing.charge", {})
+    assert engine.executor.check_remote_queues(live_queues=[]) == ([first.run_id], [])
+    second = engine.start("billing.charge", {})  # the blocked run holds no slot
+    assert second.status == RunStatus.PENDING
+    assert engine.executor.check_remote_queues(live_queues=["billing"], block=False) == ([], [first.run_id])
+    assert first.refresh().status == RunStatus.QUEUED  # the key is full: it waits its turn
+    second.cancel()
+    assert first.refresh().status == RunStatus.PENDING
+
+
+def test_a_worker_start_only_unblocks(engine: Engine) -> None:
+    engine.register_remote("billing.charge", "1", queue="billing")
+    engine.register_remote("mail.send", "1", queue="mail")
+    charge = engine.start("billing.charge", {})
+    assert engine.executor.check_remote_queues(live_queues=["other"], block=False) == ([], [])
+    assert charge.refresh().status == RunStatus.PENDING
+
+
+def test_wake_ups_and_hand_offs_count_in_the_run_namespace_when_reads_are_fenced(
+    store: Any, dispatcher: Dispatcher
+) -> None:
+    registry = Registry()
+    tenant = Engine(store, namespace="tenant-a", scope_reads=True, dispatch=dispatcher, registry=registry)
+    worker = Engine(store, namespace="default", scope_reads=True, dispatch=dispatcher, registry=registry)
+    quota = Concurrency(key="k", limit=1, strategy=Strategy.GROUP_ROUND_ROBIN)
+    registry.register("w", "1", lambda ctx, input: None, quota)
+    first, second = tenant.start("w", {}), tenant.start("w", {})
+    assert second.status == RunStatus.QUEUED
+    worker.execute(dispatcher.sent.pop(0))  # the worker's own engine is another namespace's
+    assert first.refresh().status == RunStatus.COMPLETED
+    assert second.refresh().status == RunStatus.PENDING

@@ -1,4 +1,4 @@
-"""``manage.py durable_bench``: measure start throughput, refusal latency and quota exactness.
+"""``manage.py durable_bench``: measure start throughput, refusal latency, quota exactness and hand-offs.
 
 A benchmark, not a test: it prints what it measured, ratios against baselines
 measured in the same run, and one PASS/MISS line per target. It runs on
@@ -10,6 +10,7 @@ repository, so the command runs from a checkout; install the competitors with
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from types import FrameType
@@ -18,29 +19,41 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connection
 
-SECTIONS = ("a", "b", "c")
+SECTIONS = ("a", "b", "c", "d", "e")
 
-#: Defaults of a full run (about 4-5 minutes on 2 cores) and of --quick.
+#: Defaults of a full run (about 5-6 minutes on 2 cores) and of --quick.
 FULL = {
     "seconds": 3.0, "rounds": 5, "hot_seconds": 5.0,
     "finished_runs": 1_000_000, "latency_starts": 2000,
+    "handoffs": 300, "grr_rounds": 3,
 }  # fmt: skip
 QUICK = {
     "seconds": 2.0, "rounds": 1, "hot_seconds": 2.0,
     "finished_runs": 100_000, "latency_starts": 600,
+    "handoffs": 60, "grr_rounds": 1,
 }  # fmt: skip
+#: Section (d)'s broker when neither --broker nor a Redis CELERY_BROKER_URL is given.
+DEFAULT_BROKER = "redis://127.0.0.1:6379/9"
+_REDIS = ("redis://", "rediss://")
 
 
 class Command(BaseCommand):
     help = (
         "Benchmark durable's start path on PostgreSQL in scratch databases: (a) starts/s vs raw psycopg, "
         "procrastinate and DBOS; (b) a hot key at its limit (refusal latency, over-admission); "
-        "(c) start latency with a million finished runs."
+        "(c) start latency with a million finished runs; (d) slot hand-off latency with a real Celery worker "
+        "on Redis (a run completes -> the next queued run of its key starts executing); (e) GROUP_ROUND_ROBIN "
+        "admission: queued starts/s against REJECT starts/s, and hand-offs/s."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("--quick", action="store_true", help="Shorter run (about a minute); 100,000 rows in (c).")
-        parser.add_argument("--only", default=",".join(SECTIONS), help="Sections to run, e.g. 'a,c' (default: a,b,c).")
+        parser.add_argument(
+            "--quick", action="store_true",
+            help="Shorter run (about a minute and a half); 100,000 rows in (c), 60 runs in (d), 1 round in (e).",
+        )  # fmt: skip
+        parser.add_argument(
+            "--only", default=",".join(SECTIONS), help="Sections to run, e.g. 'a,c' or 'd,e' (default: a,b,c,d,e)."
+        )
         parser.add_argument(
             "--db-name", default="durable_bench",
             help="Name of the scratch database (dropped if it exists, and at the end); "
@@ -49,7 +62,7 @@ class Command(BaseCommand):
         a = parser.add_argument_group("(a) start rate")
         a.add_argument("--seconds", type=float, help="Seconds per configuration and round (full 3, quick 2).")
         a.add_argument("--rounds", type=int, help="Rounds over all configurations (full 5, quick 1).")
-        a.add_argument("--procs", default="1,4", help="Process counts (default 1,4).")
+        a.add_argument("--procs", default="1,4", help="Process counts of (a) and (e) (default 1,4).")
         a.add_argument("--keys", type=int, default=100, help="Keys per process, started round-robin (default 100).")
         b = parser.add_argument_group("(b) hot key")
         b.add_argument("--starters", type=int, default=16, help="Concurrent starter processes (default 16).")
@@ -62,6 +75,28 @@ class Command(BaseCommand):
             "--latency-starts", type=int,
             help="Timed starts per database, alternating between the two (full 2000, quick 600).",
         )  # fmt: skip
+        d = parser.add_argument_group(
+            "(d) hand-off latency",
+            "A real worker (celery -A testproject worker --pool=threads, one thread per key) on a queue of its own, "
+            "on the scratch database, runs a GROUP_ROUND_ROBIN workflow of limit 1 whose runs are all queued "
+            "behind the first of their key; each hand-off is timed from the run's finished_at to the next run's "
+            "body start. Target: p50 <= 50 ms.",
+        )
+        d.add_argument(
+            "--broker",
+            help=f"Redis URL of (d)'s broker (default: CELERY_BROKER_URL if it is a Redis URL, else {DEFAULT_BROKER}).",
+        )
+        d.add_argument("--handoffs", type=int, help="Runs started; hand-offs = runs - keys (full 300, quick 60).")
+        d.add_argument("--handoff-keys", type=int, default=4, help="Keys, i.e. chains handing off in parallel (default 4).")
+        e = parser.add_argument_group(
+            "(e) GROUP_ROUND_ROBIN admission",
+            "Keys at their limit (1), then queued starts through Engine.start, against REJECT starts on fresh keys "
+            "in the same run (ratio, informational); then every queued run is handed its slot by completing runs "
+            "(Promoter.promote), as hand-offs/s.",
+        )
+        e.add_argument("--queued-runs", type=int, default=1000, help="Starts queued per configuration (default 1,000).")
+        e.add_argument("--queued-keys", type=int, default=50, help="Keys they are queued on (default 50).")
+        e.add_argument("--grr-rounds", type=int, help="Rounds over the process counts (full 3, quick 1).")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if connection.vendor != "postgresql":
@@ -110,7 +145,8 @@ def _resolve(options: dict[str, Any]) -> dict[str, Any]:
         raise CommandError(f"--procs takes process counts like '1,4', got {options['procs']!r}.") from None
     profile = QUICK if options["quick"] else FULL
     values = {k: options[k] if options.get(k) is not None else v for k, v in profile.items()}
-    for name in ("keys", "starters", "hot_limit", "rounds", "latency_starts"):
+    for name in ("keys", "starters", "hot_limit", "rounds", "latency_starts", "handoff_keys", "queued_runs",
+                 "queued_keys", "grr_rounds"):  # fmt: skip
         value = options.get(name) if options.get(name) is not None else values.get(name)
         if value is not None and int(value) < 1:
             raise CommandError(f"--{name.replace('_', '-')} must be at least 1, got {value}.")
@@ -118,6 +154,12 @@ def _resolve(options: dict[str, Any]) -> dict[str, Any]:
         raise CommandError(f"--procs takes positive process counts, got {options['procs']!r}.")
     if options["finished_runs"] is not None and options["finished_runs"] < 0:
         raise CommandError("--finished-runs must be 0 or more.")
+    if values["handoffs"] <= options["handoff_keys"]:
+        raise CommandError(
+            f"--handoffs must be more than --handoff-keys ({options['handoff_keys']}): the first run of each key "
+            f"is not a hand-off; got {values['handoffs']}."
+        )
+    broker, source = _broker(options.get("broker"))
     return {
         "quick": bool(options["quick"]),
         "only": tuple(s for s in SECTIONS if s in only),
@@ -127,5 +169,22 @@ def _resolve(options: dict[str, Any]) -> dict[str, Any]:
         "starters": int(options["starters"]),
         "hot_limit": int(options["hot_limit"]),
         "free_rate": float(options["free_rate"]),
+        "broker": broker,
+        "broker_source": source,
+        "handoff_keys": int(options["handoff_keys"]),
+        "queued_runs": int(options["queued_runs"]),
+        "queued_keys": int(options["queued_keys"]),
         **values,
     }
+
+
+def _broker(option: str | None) -> tuple[str, str]:
+    """(d)'s broker and where it came from: --broker, a Redis CELERY_BROKER_URL, or the default."""
+    if option:
+        if not option.startswith(_REDIS):
+            raise CommandError(f"--broker takes a Redis URL (redis://host:port/db), got {option!r}.")
+        return option, "--broker"
+    env = os.environ.get("CELERY_BROKER_URL", "")
+    if env.startswith(_REDIS):
+        return env, "CELERY_BROKER_URL"
+    return DEFAULT_BROKER, "default" + ("; CELERY_BROKER_URL is not a Redis URL" if env else "")
