@@ -102,6 +102,8 @@ DURABLE: dict[str, object] = {
 }
 if os.environ.get("DURABLE_TASK_QUEUE"):
     DURABLE["TASK_QUEUE"] = os.environ["DURABLE_TASK_QUEUE"]
+if os.environ.get("DURABLE_MAX_ATTEMPTS"):
+    DURABLE["MAX_ATTEMPTS"] = int(os.environ["DURABLE_MAX_ATTEMPTS"])
 
 LOGGING = {
     "version": 1,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from durable import Concurrency, DurableWorkflow, FatalError, WorkflowContext
+from durable import Concurrency, DurableWorkflow, FatalError, Strategy, WorkflowContext
 
 #: Calls of step functions, by name (in-process workers only).
 CALLS: dict[str, int] = {}
@@ -75,3 +75,40 @@ class CrashyWorkflow(DurableWorkflow):
         first = ctx.step("prepare", prepare, input["log"])
         second = ctx.step("slow", slow, input["log"], input["release"])
         return {"steps": [first, second]}
+
+
+class NoopWorkflow(DurableWorkflow):
+    """A trivial body: the race tests start it with a per-start quota and execute it."""
+
+    name = "test.noop"
+
+    def run(self, ctx: WorkflowContext, input: Any) -> None:
+        return None
+
+
+def hold(path: str, name: str, release: str, die: bool) -> str:
+    """Log ``<name>:start``, then die (SIGKILL this process) or block until ``release`` exists."""
+    import os
+    import signal
+    import time
+
+    _log(path, f"{name}:start")
+    if die:
+        os.kill(os.getpid(), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    _log(path, f"{name}:end")
+    return name
+
+
+class SlotHolderWorkflow(DurableWorkflow):
+    """One slot per key, handed to queued runs in turn (GROUP_ROUND_ROBIN); one step
+    logging its start and end to a file, so the order of runs is visible across processes."""
+
+    name = "test.slot_holder"
+    concurrency = Concurrency(key=lambda input: input["key"], limit=1, strategy=Strategy.GROUP_ROUND_ROBIN)
+
+    def run(self, ctx: WorkflowContext, input: dict[str, Any]) -> dict[str, Any]:
+        held = ctx.step("hold", hold, input["log"], input["name"], input["release"], input.get("die", False))
+        return {"held": held}
