@@ -8,7 +8,6 @@ from typing import Any
 
 from durable import exceptions
 
-
 #: An escaped NUL in JSON text (not an escaped backslash followed by "u0000").
 _NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 

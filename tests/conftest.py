@@ -1,13 +1,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from celery.contrib.testing.worker import start_worker
-from django.db import connection
 
 from testproject.celery import app as celery_app
 from tests import waiting, workflows  # noqa: F401  (registers the test workflows)
+from tests.processes import WorkerProcesses
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -37,9 +39,11 @@ def celery_worker(django_db_setup: None, django_db_blocker) -> Iterator[object]:
 
 
 @pytest.fixture
-def pg() -> None:
-    if connection.vendor != "postgresql":
-        pytest.skip("needs PostgreSQL")
+def worker_processes(settings: Any, tmp_path: Path) -> Iterator[WorkerProcesses]:
+    """Real Celery worker subprocesses on a queue of the test's own (PostgreSQL + Redis)."""
+    workers = WorkerProcesses(settings, tmp_path)
+    yield workers
+    workers.stop_all()
 
 
 @pytest.fixture(autouse=True)

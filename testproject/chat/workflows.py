@@ -7,6 +7,7 @@ from typing import Any
 
 from durable import Concurrency, DurableWorkflow, WorkflowContext
 
+
 def load_history(conversation_id: str) -> list[str]:
     return [f"earlier message in {conversation_id}"]
 

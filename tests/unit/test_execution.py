@@ -12,12 +12,13 @@ from django.utils import timezone
 
 from durable import (
     Concurrency,
-    DjangoStore,
     DurableWorkflow,
     Engine,
     FatalError,
     InMemoryStore,
     RunStatus,
+)
+from durable import (
     engine as default_engine,
 )
 from durable.exceptions import NonDeterminismError, RunFailedError, RunTerminalError
@@ -34,11 +35,6 @@ class Recorder:
     def __call__(self, name: str, value: Any = None) -> Any:
         self.calls.append(name)
         return value
-
-
-@pytest.fixture(params=["django", "memory"])
-def store(request: pytest.FixtureRequest) -> Any:
-    return DjangoStore() if request.param == "django" else InMemoryStore()
 
 
 @pytest.fixture

@@ -1,7 +1,6 @@
 import pytest
 
 from durable import engine
-from durable.testing import wait_for
 
 
 @pytest.mark.django_db(transaction=True)
@@ -12,9 +11,9 @@ def test_run_completes_on_worker(celery_worker):
 
 @pytest.mark.django_db
 def test_quota_infos_counts_active_runs():
+    from durable.models import ConcurrencyLock
     from durable.quotas import quota_infos
     from durable.testing import WorkflowRunFactory, tagged
-    from durable.models import ConcurrencyLock
 
     ConcurrencyLock.objects.create(key="tenant:a", limit=2, count_statuses=["pending", "running"])
     tagged(WorkflowRunFactory(status="running"), "concurrency:tenant:a")

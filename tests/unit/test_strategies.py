@@ -10,49 +10,17 @@ from durable import (
     Concurrency,
     ConcurrencyLimitError,
     ConcurrencyQueueFullError,
-    DjangoStore,
     Engine,
-    InMemoryStore,
     RunStatus,
     Strategy,
 )
 from durable.exceptions import InvalidStartError
-from durable.runtime import Registry
-from durable.stores import RunRecord
+from tests.unit.conftest import RecordingDispatcher
 
 # Committed transactions: hand-offs run on commit, as in production.
 pytestmark = pytest.mark.django_db(transaction=True)
 
 GRR, CIP, NEWEST = Strategy.GROUP_ROUND_ROBIN, Strategy.CANCEL_IN_PROGRESS, Strategy.CANCEL_NEWEST
-
-
-class Dispatcher:
-    """Records what the engine sends to workers (and revokes)."""
-
-    def __init__(self) -> None:
-        self.sent: list[str] = []
-        self.revoked: list[str] = []
-
-    def __call__(self, engine: Engine, run: RunRecord) -> None:
-        self.sent.append(run.run_id)
-
-    def revoke(self, engine: Engine, run: RunRecord) -> None:
-        self.revoked.append(run.run_id)
-
-
-@pytest.fixture(params=["django", "memory"])
-def store(request: pytest.FixtureRequest) -> Any:
-    return DjangoStore() if request.param == "django" else InMemoryStore()
-
-
-@pytest.fixture
-def dispatcher() -> Dispatcher:
-    return Dispatcher()
-
-
-@pytest.fixture
-def engine(store: Any, dispatcher: Dispatcher) -> Engine:
-    return Engine(store, dispatch=dispatcher, registry=Registry())
 
 
 def tenant(input: dict[str, Any]) -> str:
@@ -72,7 +40,7 @@ def statuses(engine: Engine, handles: list[Any]) -> list[str]:
 # -- GROUP_ROUND_ROBIN ------------------------------------------------------------------
 
 
-def test_grr_queues_over_limit_starts_holding_no_slot(engine: Engine, dispatcher: Dispatcher) -> None:
+def test_grr_queues_over_limit_starts_holding_no_slot(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     engine.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(key=tenant, limit=2, strategy=GRR))
     runs = [engine.start("w", {"tenant": "a"}) for _ in range(4)]
     assert statuses(engine, runs) == ["pending", "pending", "queued", "queued"]
@@ -80,7 +48,7 @@ def test_grr_queues_over_limit_starts_holding_no_slot(engine: Engine, dispatcher
     assert engine.count_runs(tag="concurrency:tenant:a", statuses=["pending", "running", "suspended", "blocked"]) == 2
 
 
-def test_grr_release_hands_the_slot_to_the_next_queued_run(engine: Engine, dispatcher: Dispatcher) -> None:
+def test_grr_release_hands_the_slot_to_the_next_queued_run(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     engine.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(key=tenant, limit=1, strategy=GRR))
     first, second, third = (engine.start("w", {"tenant": "a"}) for _ in range(3))
     complete(engine, first.run_id)  # the release itself promotes, no sweep involved
@@ -91,7 +59,7 @@ def test_grr_release_hands_the_slot_to_the_next_queued_run(engine: Engine, dispa
     assert dispatcher.sent[-1] == third.run_id
 
 
-def test_grr_new_start_waits_behind_queued_runs(engine: Engine, dispatcher: Dispatcher, store: Any) -> None:
+def test_grr_new_start_waits_behind_queued_runs(engine: Engine, dispatcher: RecordingDispatcher, store: Any) -> None:
     engine.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(key=tenant, limit=1, strategy=GRR))
     first, second = engine.start("w", {"tenant": "a"}), engine.start("w", {"tenant": "a"})
     # The slot frees without a hand-off (as if the promoting process died).
@@ -122,7 +90,7 @@ def test_grr_max_queued_bounds_the_queue(engine: Engine) -> None:
     assert engine.store.get_run("refused") is None
 
 
-def test_grr_hands_freed_capacity_round_robin_across_groups(engine: Engine, dispatcher: Dispatcher) -> None:
+def test_grr_hands_freed_capacity_round_robin_across_groups(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     quotas = [
         Concurrency(key=tenant, limit=100, strategy=GRR),
         Concurrency(expression="'global'", limit=2, strategy=GRR),
@@ -163,7 +131,7 @@ def test_grr_several_keys_wait_holding_no_slot_of_any_key(engine: Engine) -> Non
 # -- CANCEL_IN_PROGRESS -----------------------------------------------------------------
 
 
-def test_cancel_in_progress_cancels_the_oldest_and_starts_at_once(engine: Engine, dispatcher: Dispatcher) -> None:
+def test_cancel_in_progress_cancels_the_oldest_and_starts_at_once(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     engine.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(key=tenant, limit=2, strategy=CIP))
     old, mid = engine.start("w", {"tenant": "a"}), engine.start("w", {"tenant": "a"})
     new = engine.start("w", {"tenant": "a"})
@@ -194,7 +162,7 @@ def test_cancel_in_progress_stops_a_running_victim_at_its_next_step(engine: Engi
 # -- CANCEL_NEWEST ------------------------------------------------------------------------
 
 
-def test_cancel_newest_creates_the_new_run_cancelled(engine: Engine, dispatcher: Dispatcher) -> None:
+def test_cancel_newest_creates_the_new_run_cancelled(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     engine.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(key=tenant, limit=1, strategy=NEWEST))
     running = engine.start("w", {"tenant": "a"})
     newest = engine.start("w", {"tenant": "a"})

@@ -12,7 +12,6 @@ from durable import (
     ChildWorkflowError,
     Concurrency,
     ConcurrencyLimitError,
-    DjangoStore,
     DurableWorkflow,
     Engine,
     InMemoryStore,
@@ -21,38 +20,14 @@ from durable import (
 )
 from durable.exceptions import RunTerminalError, SignalTimeout
 from durable.runtime import Registry
-from durable.stores import RunRecord
 from durable.testing import wait_for
+from tests.unit.conftest import RecordingDispatcher
 
 # Committed transactions: wake-ups and hand-offs run on commit, as in production.
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-class Dispatcher:
-    def __init__(self) -> None:
-        self.sent: list[str] = []
-
-    def __call__(self, engine: Engine, run: RunRecord) -> None:
-        self.sent.append(run.run_id)
-
-
-@pytest.fixture(params=["django", "memory"])
-def store(request: pytest.FixtureRequest) -> Any:
-    return DjangoStore() if request.param == "django" else InMemoryStore()
-
-
-@pytest.fixture
-def dispatcher() -> Dispatcher:
-    return Dispatcher()
-
-
-@pytest.fixture
-def engine(store: Any, dispatcher: Dispatcher) -> Engine:
-    # The dispatcher has no wake_later: the sweeper wakes sleepers, as it does when a timer is lost.
-    return Engine(store, dispatch=dispatcher, registry=Registry())
-
-
-def run_pending(engine: Engine, dispatcher: Dispatcher) -> None:
+def run_pending(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     """Execute what was dispatched, like workers would, until nothing is left."""
     while dispatcher.sent:
         engine.execute(dispatcher.sent.pop(0))
@@ -65,7 +40,7 @@ def sweep_until_woken(engine: Engine, run_id: str) -> None:
 # -- sleep -------------------------------------------------------------------------------
 
 
-def test_sleep_parks_the_run_with_a_wake_time_then_resumes(engine: Engine, dispatcher: Dispatcher) -> None:
+def test_sleep_parks_the_run_with_a_wake_time_then_resumes(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     calls: list[str] = []
 
     def body(ctx: Any, input: Any) -> str:
@@ -89,7 +64,7 @@ def test_sleep_parks_the_run_with_a_wake_time_then_resumes(engine: Engine, dispa
     assert calls == ["before", "after"]  # "before" was not run again
 
 
-def test_sleep_until_and_zero_sleep(engine: Engine, dispatcher: Dispatcher) -> None:
+def test_sleep_until_and_zero_sleep(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     def body(ctx: Any, input: Any) -> str:
         ctx.sleep(0)
         ctx.sleep_until(timezone.now() - timedelta(seconds=5))
@@ -102,7 +77,7 @@ def test_sleep_until_and_zero_sleep(engine: Engine, dispatcher: Dispatcher) -> N
 
 
 @pytest.mark.parametrize("bad", [-1, "10", None])
-def test_sleep_rejects_bad_durations(engine: Engine, dispatcher: Dispatcher, bad: Any) -> None:
+def test_sleep_rejects_bad_durations(engine: Engine, dispatcher: RecordingDispatcher, bad: Any) -> None:
     engine.register("w", "1", lambda ctx, input: ctx.sleep(bad))
     handle = engine.start("w", {})
     run_pending(engine, dispatcher)
@@ -117,7 +92,7 @@ def approval(ctx: Any, input: Any) -> Any:
     return {"approved_by": ctx.wait_for_signal("approve")["user"]}
 
 
-def test_signal_resumes_a_waiting_run(engine: Engine, dispatcher: Dispatcher) -> None:
+def test_signal_resumes_a_waiting_run(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     engine.register("w", "1", approval)
     handle = engine.start("w", {})
     run_pending(engine, dispatcher)
@@ -128,7 +103,7 @@ def test_signal_resumes_a_waiting_run(engine: Engine, dispatcher: Dispatcher) ->
     assert handle.result(timeout=1) == {"approved_by": "ana"}
 
 
-def test_signal_sent_before_the_wait_is_buffered(engine: Engine, dispatcher: Dispatcher) -> None:
+def test_signal_sent_before_the_wait_is_buffered(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     engine.register("w", "1", approval)
     handle = engine.start("w", {})
     engine.signal(handle.run_id, "approve", {"user": "early"})
@@ -147,7 +122,7 @@ def test_signal_arriving_between_the_check_and_the_suspend_is_not_lost(engine: E
     assert handle.refresh().status == RunStatus.RUNNING  # the executor replays at once instead
 
 
-def test_signal_timeout_raises_in_the_workflow(engine: Engine, dispatcher: Dispatcher) -> None:
+def test_signal_timeout_raises_in_the_workflow(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     def body(ctx: Any, input: Any) -> str:
         try:
             ctx.wait_for_signal("approve", timeout=0.5)
@@ -164,7 +139,7 @@ def test_signal_timeout_raises_in_the_workflow(engine: Engine, dispatcher: Dispa
     assert handle.result(timeout=1) == "timed out"
 
 
-def test_signal_to_a_finished_run_is_refused(engine: Engine, dispatcher: Dispatcher) -> None:
+def test_signal_to_a_finished_run_is_refused(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     engine.register("w", "1", lambda ctx, input: None)
     handle = engine.start("w", {})
     run_pending(engine, dispatcher)
@@ -172,7 +147,7 @@ def test_signal_to_a_finished_run_is_refused(engine: Engine, dispatcher: Dispatc
         handle.signal("approve")
 
 
-def test_parked_run_holds_its_slot_with_the_default_count_statuses(engine: Engine, dispatcher: Dispatcher) -> None:
+def test_parked_run_holds_its_slot_with_the_default_count_statuses(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     engine.register("w", "1", approval, concurrency=Concurrency(key="k", limit=1))
     parked = engine.start("w", {})
     run_pending(engine, dispatcher)
@@ -181,7 +156,7 @@ def test_parked_run_holds_its_slot_with_the_default_count_statuses(engine: Engin
         engine.start("w", {})
 
 
-def test_parked_run_frees_its_slot_with_narrowed_count_statuses(engine: Engine, dispatcher: Dispatcher) -> None:
+def test_parked_run_frees_its_slot_with_narrowed_count_statuses(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     quota = Concurrency(key="k", limit=1, count_statuses=["pending", "running"])
     engine.register("w", "1", approval, concurrency=quota)
     parked = engine.start("w", {})
@@ -200,7 +175,7 @@ def test_parked_run_frees_its_slot_with_narrowed_count_statuses(engine: Engine, 
 # -- child workflows -------------------------------------------------------------------------
 
 
-def test_child_result_is_returned_to_the_waiting_parent(engine: Engine, dispatcher: Dispatcher) -> None:
+def test_child_result_is_returned_to_the_waiting_parent(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     engine.register("child", "1", lambda ctx, input: ctx.step("double", lambda: input["n"] * 2))
     engine.register("parent", "1", lambda ctx, input: {"child": ctx.child("child", {"n": 21})})
     parent = engine.start("parent", {})
@@ -213,7 +188,7 @@ def test_child_result_is_returned_to_the_waiting_parent(engine: Engine, dispatch
     assert parent.result(timeout=1) == {"child": 42}
 
 
-def test_child_failure_raises_child_workflow_error(engine: Engine, dispatcher: Dispatcher) -> None:
+def test_child_failure_raises_child_workflow_error(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     def failing(ctx: Any, input: Any) -> None:
         raise ValueError("bad child")
 
@@ -232,7 +207,7 @@ def test_child_failure_raises_child_workflow_error(engine: Engine, dispatcher: D
 
 
 def test_child_refused_by_its_quota_is_a_failed_child_with_the_limit_error_as_cause(
-    engine: Engine, dispatcher: Dispatcher
+    engine: Engine, dispatcher: RecordingDispatcher
 ) -> None:
     causes: list[Any] = []
 
@@ -257,7 +232,7 @@ def test_child_refused_by_its_quota_is_a_failed_child_with_the_limit_error_as_ca
     assert engine.count_runs() == 2  # no child run was created
 
 
-def test_start_child_returns_a_handle_without_waiting(engine: Engine, dispatcher: Dispatcher) -> None:
+def test_start_child_returns_a_handle_without_waiting(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     engine.register("child", "1", lambda ctx, input: "done")
     engine.register("parent", "1", lambda ctx, input: ctx.start_child("child", {}).run_id)
     parent = engine.start("parent", {})
@@ -268,7 +243,7 @@ def test_start_child_returns_a_handle_without_waiting(engine: Engine, dispatcher
     assert engine.get_run(child_id).result(timeout=1) == "done"
 
 
-def test_children_inherit_the_namespace_and_are_cancelled_with_the_parent(store: Any, dispatcher: Dispatcher) -> None:
+def test_children_inherit_the_namespace_and_are_cancelled_with_the_parent(store: Any, dispatcher: RecordingDispatcher) -> None:
     engine = Engine(store, namespace="tenant-a", dispatch=dispatcher, registry=Registry())
     engine.register("child", "1", approval)
     engine.register("parent", "1", lambda ctx, input: ctx.child("child", {}))
@@ -324,7 +299,7 @@ def test_workflow_class_subscribes_to_events() -> None:
 # -- remote workflows ----------------------------------------------------------------------------
 
 
-def test_remote_run_is_blocked_without_a_worker_and_goes_when_one_appears(engine: Engine, dispatcher: Dispatcher) -> None:
+def test_remote_run_is_blocked_without_a_worker_and_goes_when_one_appears(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     engine.register_remote("billing.charge", "1", queue="billing", concurrency=Concurrency(key="billing", limit=1))
     handle = engine.start("billing.charge", {"amount": 5})
     assert handle.record.queue == "billing"
@@ -338,7 +313,7 @@ def test_remote_run_is_blocked_without_a_worker_and_goes_when_one_appears(engine
     assert dispatcher.sent == [handle.run_id]
 
 
-def test_remote_workflow_body_is_not_run_by_a_worker_that_only_declares_it(engine: Engine, dispatcher: Dispatcher) -> None:
+def test_remote_workflow_body_is_not_run_by_a_worker_that_only_declares_it(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     engine.register_remote("billing.charge", "1", queue="billing")
     handle = engine.start("billing.charge", {})
     run_pending(engine, dispatcher)
@@ -349,7 +324,7 @@ def test_remote_workflow_body_is_not_run_by_a_worker_that_only_declares_it(engin
 # -- versions -------------------------------------------------------------------------------------
 
 
-def test_in_flight_runs_finish_on_the_version_they_started_on(engine: Engine, dispatcher: Dispatcher) -> None:
+def test_in_flight_runs_finish_on_the_version_they_started_on(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     engine.register("w", "1", lambda ctx, input: ctx.step("a", lambda: "v1"))
     old = engine.start("w", {})
     engine.register("w", "2", lambda ctx, input: ctx.step("b", lambda: "v2"))
@@ -361,7 +336,7 @@ def test_in_flight_runs_finish_on_the_version_they_started_on(engine: Engine, di
 
 
 def test_child_with_the_run_id_of_a_foreign_run_fails_instead_of_waiting_forever(
-    engine: Engine, dispatcher: Dispatcher
+    engine: Engine, dispatcher: RecordingDispatcher
 ) -> None:
     engine.register("child", "1", approval)
     engine.register("parent", "1", lambda ctx, input: ctx.child("child", {}, run_id="not-mine"))
@@ -373,7 +348,7 @@ def test_child_with_the_run_id_of_a_foreign_run_fails_instead_of_waiting_forever
 
 
 def test_a_blocked_run_that_held_no_slot_comes_back_queued_when_its_key_is_full(
-    engine: Engine, dispatcher: Dispatcher
+    engine: Engine, dispatcher: RecordingDispatcher
 ) -> None:
     quota = Concurrency(key="billing", limit=1, count_statuses=["pending", "running"])
     engine.register_remote("billing.charge", "1", queue="billing", concurrency=quota)
@@ -396,7 +371,7 @@ def test_a_worker_start_only_unblocks(engine: Engine) -> None:
 
 
 def test_wake_ups_and_hand_offs_count_in_the_run_namespace_when_reads_are_fenced(
-    store: Any, dispatcher: Dispatcher
+    store: Any, dispatcher: RecordingDispatcher
 ) -> None:
     registry = Registry()
     tenant = Engine(store, namespace="tenant-a", scope_reads=True, dispatch=dispatcher, registry=registry)
