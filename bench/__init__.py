@@ -11,6 +11,9 @@ Modules:
 - ``worker``: the code a spawned benchmark process runs.
 - ``pool``: the parent's handle on those processes.
 - ``sections``: sections (a), (b), (c).
+- ``queueing``: sections (d) slot hand-off latency and (e) ``GROUP_ROUND_ROBIN`` admission.
+- ``celery_worker``: the real Celery worker subprocess of (d).
+- ``handoff``: the workflow that worker runs (it imports the module).
 - ``report``: the table and the targets block.
 - ``runner``: puts them together for the command.
 """

@@ -1,4 +1,4 @@
-"""The benchmark's output: a table of measurements, then one PASS/MISS line per target."""
+"""The benchmark's output: a table of measurements, then one PASS/MISS (or INFO) line per target."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ class Target:
     #: None when the target could not be measured (the reason is in ``shown``'s note).
     passed: bool | None
     note: str = ""
+    #: Informational: measured and shown, with no goal to pass or miss.
+    info: bool = False
 
 
 class Report:
@@ -41,11 +43,20 @@ class Report:
         self.notes.append(text)
 
     def target(
-        self, section: str, what: str, goal: str, measured: float | None, passed: bool | None, shown: str, note: str = ""
+        self,
+        section: str,
+        what: str,
+        goal: str,
+        measured: float | None,
+        passed: bool | None,
+        shown: str,
+        note: str = "",
+        *,
+        info: bool = False,
     ) -> None:
-        if measured is None:
+        if measured is None or info:
             passed = None
-        self.targets.append(Target(section, what, goal, shown, passed, note))
+        self.targets.append(Target(section, what, goal, shown, passed, note, info and measured is not None))
 
     def render(self) -> str:
         lines = list(self.header)
@@ -65,7 +76,7 @@ class Report:
             lines.append("  (no target measured: no section ran)")
         w_what = max((len(t.what) + len(t.goal) + 1 for t in self.targets), default=0)
         for t in self.targets:
-            verdict = "PASS" if t.passed else ("MISS" if t.passed is False else "N/A ")
+            verdict = "INFO" if t.info else "PASS" if t.passed else ("MISS" if t.passed is False else "N/A ")
             label = f"{t.what} {t.goal}"
             lines.append(f"  {verdict}  ({t.section}) {label:<{w_what}}  measured {t.shown}  {t.note}".rstrip())
         return "\n".join(lines) + "\n"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 from django.db import connection
 
-from bench import sections, starters
+from bench import queueing, sections, starters
 from bench.pool import WorkerPool
 from bench.report import Report
 from bench.scratch import scratch_databases
@@ -32,6 +33,11 @@ def run(opts: Options, progress: Progress) -> Report:
             f"scratch databases {', '.join([main, *copies, *empty])} (dropped at the end)"
         )
         report.header.append(_describe(opts))
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        report.header.append(
+            f"machine: {os.cpu_count()} CPUs, load average {load:.1f} at the start (other work on the machine "
+            "slows every section)"
+        )
         if "a" in opts.only:
             for kind, install in (
                 ("procrastinate", lambda: starters.install_procrastinate(scratch.conninfo(main))),
@@ -47,20 +53,30 @@ def run(opts: Options, progress: Progress) -> Report:
             "conninfo": scratch.conninfo(main),
             "dbos_url": scratch.url(dbos_db),
         }
-        size = max(
-            [max(opts.procs)] * ("a" in opts.only) + [opts.starters] * ("b" in opts.only) + [1]
-        )
-        progress(f"spawning {size} benchmark process(es)")
-        pool = WorkerPool(size, config, barrier_sizes=[*opts.procs, opts.starters, 1])
-        try:
-            for name, section in (("a", sections.section_a), ("b", sections.section_b), ("c", sections.section_c)):
-                if name in opts.only:
-                    t0 = time.perf_counter()
-                    section(pool, opts, report, scratch, progress)
-                    progress(f"({name}) done in {time.perf_counter() - t0:.0f} s")
-        finally:
-            pool.close()
-            connection.close()
+        if "d" in opts.only:
+            # No benchmark process: the Celery worker is the process that matters.
+            t0 = time.perf_counter()
+            queueing.section_d(opts, report, scratch, progress)
+            progress(f"(d) done in {time.perf_counter() - t0:.0f} s")
+        pooled = [name for name in opts.only if name != "d"]
+        if pooled:
+            size = max(
+                [max(opts.procs)] * bool({"a", "e"} & set(pooled)) + [opts.starters] * ("b" in pooled) + [1]
+            )
+            progress(f"spawning {size} benchmark process(es)")
+            pool = WorkerPool(size, config, barrier_sizes=[*opts.procs, opts.starters, 1])
+            try:
+                for name, section in (
+                    ("a", sections.section_a), ("b", sections.section_b), ("c", sections.section_c),
+                    ("e", queueing.section_e),
+                ):  # fmt: skip
+                    if name in pooled:
+                        t0 = time.perf_counter()
+                        section(pool, opts, report, scratch, progress)
+                        progress(f"({name}) done in {time.perf_counter() - t0:.0f} s")
+            finally:
+                pool.close()
+        connection.close()
     report.header.append(f"wall time {time.perf_counter() - started:.0f} s")
     return report
 
@@ -78,4 +94,20 @@ def _describe(opts: Options) -> str:
         parts.append(
             f"(c) {opts.finished_runs:,} finished runs, {opts.latency_starts:,} starts per database, alternating"
         )
+    if "d" in opts.only:
+        parts.append(
+            f"(d) {opts.handoffs} runs on {opts.handoff_keys} key(s), Celery worker on {_sanitize(opts.broker)} "
+            f"({opts.broker_source})"
+        )
+    if "e" in opts.only:
+        parts.append(
+            f"(e) {opts.queued_runs:,} queued runs on {opts.queued_keys} keys, {opts.grr_rounds} round(s), "
+            f"processes {','.join(map(str, opts.procs))}"
+        )
     return f"mode: {'quick' if opts.quick else 'full'}; " + "; ".join(parts)
+
+
+def _sanitize(url: str) -> str:
+    from kombu.utils.url import maybe_sanitize_url
+
+    return str(maybe_sanitize_url(url))

@@ -11,9 +11,8 @@ from typing import Any
 
 import psycopg
 
-from bench import history
+from bench import history, starters
 from bench import report as _report
-from bench import starters
 from bench.pool import WorkerError, WorkerPool
 from bench.report import Report
 from bench.scratch import Scratch
@@ -50,6 +49,16 @@ class Options:
     finished_runs: int
     latency_starts: int
     latency_keys: int = 100
+    # (d)
+    broker: str = "redis://127.0.0.1:6379/9"
+    #: Where ``broker`` came from: "--broker", "CELERY_BROKER_URL" or "default".
+    broker_source: str = "default"
+    handoffs: int = 300
+    handoff_keys: int = 1
+    # (e)
+    queued_runs: int = 1000
+    queued_keys: int = 50
+    grr_rounds: int = 3
     #: Why procrastinate or DBOS is left out (kind -> reason), filled as the run goes.
     unavailable: dict[str, str] = field(default_factory=dict)
 

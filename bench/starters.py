@@ -33,6 +33,8 @@ from durable.status import DEFAULT_CONCURRENCY_STATUSES
 WORKFLOW = "bench.noop"
 #: Workflow started against the hot key of section (b); its limit is set per run.
 HOT_WORKFLOW = "bench.hot"
+#: Workflow of section (e): ``GROUP_ROUND_ROBIN``, its limit set per run.
+GRR_WORKFLOW = "bench.grr"
 VERSION = "1"
 RATE_LIMIT = 1000
 #: Name of the procrastinate task and the DBOS workflow; the queue of both.
@@ -70,6 +72,21 @@ class DurableStarter:
 
     def set_hot_limit(self, limit: int) -> None:
         self.engine.register(HOT_WORKFLOW, VERSION, _noop_body, self._concurrency(key=key_of, limit=limit))
+
+    def set_grr_limit(self, limit: int) -> None:
+        from durable import Strategy
+
+        concurrency = self._concurrency(key=key_of, limit=limit, strategy=Strategy.GROUP_ROUND_ROBIN)
+        self.engine.register(GRR_WORKFLOW, VERSION, _noop_body, concurrency)
+
+    def start_status(self, key: str, workflow: str = WORKFLOW) -> str:
+        """Start one run; the status it was created with, or "refused"."""
+        from durable.exceptions import ConcurrencyLimitError
+
+        try:
+            return str(self.engine.start(workflow, {"key": key}).status)
+        except ConcurrencyLimitError:
+            return "refused"
 
     def start(self, key: str, workflow: str = WORKFLOW) -> bool:
         """Start one run; False when its quota refused it."""

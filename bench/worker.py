@@ -17,6 +17,18 @@ Commands (``cmd``):
   admitted and refused counts and their latencies (microseconds).
 - ``latency``: ``starts`` starts on each alias, alternating between the aliases
   start by start; reply every start's latency (microseconds).
+- ``warm``: one start of the no-op workflow on each of ``keys`` (creates their lock rows).
+- ``fill``: ``limit`` starts of the ``GROUP_ROUND_ROBIN`` workflow on each of ``keys``
+  (``prepare`` of kind ``grr`` registers it), so that every key is at its limit.
+- ``admit``: ``counts[i]`` starts (process ``i``) of ``kind`` (``grr``: the
+  ``GROUP_ROUND_ROBIN`` workflow; ``reject``: the no-op workflow) round-robin
+  over ``keys``; reply the statuses created, the elapsed time and the CPU time.
+- ``drain``: complete the runs in flight on ``keys`` one by one, handing each
+  freed slot to the next queued run (``Promoter.promote``) until none is left;
+  reply the hand-offs made, the elapsed time and each promote's duration.
+
+``keys`` with ``per_process`` set get the process's suffix (``-w<i>``): each
+process then has keys of its own.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ import json
 import os
 import time
 import traceback
+from collections import Counter
 from typing import Any
 
 from bench import starters
@@ -89,6 +102,15 @@ class _Worker:
             return self.storm(message["key"], float(message["seconds"]), int(message["size"]))
         if cmd == "latency":
             return self.latency(message["aliases"], int(message["starts"]), int(message["nkeys"]))
+        if cmd == "warm":
+            return self.warm(self._own(message))
+        if cmd == "fill":
+            return self.fill(self._own(message), int(message["limit"]))
+        if cmd == "admit":
+            count = int(message["counts"][self.index])
+            return self.admit(message["kind"], self._own(message), count, int(message["size"]))
+        if cmd == "drain":
+            return self.drain(self._own(message))
         raise ValueError(f"unknown command {cmd!r}")
 
     def prepare(self, message: dict[str, Any]) -> Reply:
@@ -96,6 +118,9 @@ class _Worker:
         if kind == "hot":
             durable = self._starter("durable")
             durable.set_hot_limit(int(message["limit"]))
+            return {"ok": True}
+        if kind == "grr":
+            self._starter("durable").set_grr_limit(int(message["limit"]))
             return {"ok": True}
         if kind == "latency":
             for alias in message["aliases"]:
@@ -162,7 +187,71 @@ class _Worker:
                 out[alias].append(int((time.perf_counter() - t) * 1e6))
         return {"latency_us": out}
 
+    def warm(self, keys: list[str]) -> Reply:
+        durable = self._starter("durable")
+        refused = sum(not durable.start(key) for key in keys)
+        return {"refused": refused}
+
+    def fill(self, keys: list[str], limit: int) -> Reply:
+        durable = self._starter("durable")
+        statuses = Counter(durable.start_status(key, starters.GRR_WORKFLOW) for key in keys for _ in range(limit))
+        return {"statuses": dict(statuses)}
+
+    def admit(self, kind: str, keys: list[str], count: int, size: int) -> Reply:
+        """``count`` starts round-robin over ``keys``, from an offset of this process's own."""
+        durable = self._starter("durable")
+        workflow = starters.GRR_WORKFLOW if kind == "grr" else starters.WORKFLOW
+        offset = self.index * len(keys) // max(size, 1)
+        statuses: Counter[str] = Counter()
+        self.barriers[size].wait(timeout=120)
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        for i in range(count):
+            statuses[durable.start_status(keys[(offset + i) % len(keys)], workflow)] += 1
+        elapsed = time.perf_counter() - t0
+        return {"statuses": dict(statuses), "count": count, "elapsed": elapsed, "cpu": time.process_time() - cpu0}
+
+    def drain(self, keys: list[str]) -> Reply:
+        """Complete each key's run in flight, key after key, as a worker finishing it would;
+        each completion hands the freed slot to the next queued run, until none is left.
+
+        A completion is the compare-and-set a finishing run makes, then what
+        ``Executor.released`` does on commit: read the run's keys and promote.
+        """
+        from django.utils import timezone
+
+        from durable.models import WorkflowRun
+        from durable.status import RunStatus
+
+        engine = self._starter("durable").engine
+        store = engine.store
+        runs = WorkflowRun.objects.filter(tags__tag__in=["concurrency:" + key for key in keys])
+        in_flight = list(runs.filter(status=RunStatus.PENDING).values_list("run_id", flat=True))
+        handoffs = completed = 0
+        promote_us: list[int] = []
+        t0 = time.perf_counter()
+        while in_flight:
+            next_round: list[str] = []
+            for run_id in in_flight:
+                if store.transition(run_id, from_statuses=[RunStatus.PENDING], to=RunStatus.COMPLETED,
+                                    finished_at=timezone.now()):  # fmt: skip
+                    completed += 1
+                t = time.perf_counter()
+                started = engine.promoter.promote(store.run_keys(run_id))
+                promote_us.append(int((time.perf_counter() - t) * 1e6))
+                handoffs += len(started)
+                next_round.extend(started)
+            in_flight = next_round
+        elapsed = time.perf_counter() - t0
+        left = runs.filter(status=RunStatus.QUEUED).count()
+        return {"handoffs": handoffs, "completed": completed, "elapsed": elapsed, "promote_us": promote_us,
+                "queued_left": left}  # fmt: skip
+
     # -- helpers -------------------------------------------------------------
+    def _own(self, message: dict[str, Any]) -> list[str]:
+        keys = [str(k) for k in message["keys"]]
+        return [f"{k}-w{self.index}" for k in keys] if message.get("per_process") else keys
+
     def _keys(self, kind: str, nkeys: int) -> list[str]:
         return [f"{kind}-w{self.index}-k{j}" for j in range(nkeys)]
 

@@ -8,7 +8,7 @@ queued runs (``GROUP_ROUND_ROBIN``), round-robin across the groups queued on a k
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -87,46 +87,96 @@ class Promoter:
         self.engine = engine
 
     def promote(self, keys: Sequence[str]) -> list[str]:
-        """Start queued runs of ``keys`` while those keys have room; return the run ids started."""
+        """Start queued runs of ``keys`` while those keys have room; return the run ids started.
+
+        A key is left as soon as a hand-off took its last free slot: a slot that
+        frees later is handed on by the promote of the run that frees it (every
+        release promotes on commit), so looking again would only find it full.
+        """
         started: list[str] = []
         for key in dict.fromkeys(keys):
             for _ in range(MAX_HANDOFFS):
-                run_id = self._hand_off(key)
+                run_id, room_left = self._hand_off(key)
                 if run_id is None:
                     break
                 started.append(run_id)
+                if not room_left:
+                    break
         return started
 
-    def _hand_off(self, key: str) -> str | None:
-        """Start the next queued run of ``key`` in round-robin order of its groups."""
-        store = self.engine.store
-        heads = store.queued_heads(TAG_PREFIX + key, namespace=self.engine.read_namespace)
-        if not heads:
-            return None
-        cursor = store.rr_cursor(key)
-        # The groups after the one served last, then the others from the start.
-        ordered = [h for h in heads if h[0] > cursor] + [h for h in heads if h[0] <= cursor]
-        for group, run_id in ordered:
-            outcome = self._try_start(key, group, run_id)
-            if outcome == "started":
-                return run_id
-            if outcome == "key full":
-                return None
-        return None
+    def _hand_off(self, key: str) -> tuple[str | None, bool]:
+        """Start the next queued run of ``key`` in round-robin order of its groups.
 
-    def _try_start(self, key: str, group: str, run_id: str) -> str:
+        Returns the run started (None if none could be) and whether ``key`` may
+        still have a free slot after it. A head that another promoter started
+        (or that was cancelled) since it was read means the queue moved: read
+        the heads again, or the slot freed by this promoter's release would stay
+        free while runs wait.
+        """
+        store = self.engine.store
+        for _ in range(MAX_HANDOFFS):
+            heads = store.queued_heads(TAG_PREFIX + key, namespace=self.engine.read_namespace)
+            if not heads:
+                return None, False
+            known = store.quota_settings([key])
+            if self._full(key, known):
+                return None, False
+            cursor = store.rr_cursor(key) if len(heads) > 1 else ""  # one group: no order to keep
+            # The groups after the one served last, then the others from the start.
+            ordered = [h for h in heads if h[0] > cursor] + [h for h in heads if h[0] <= cursor]
+            gone = False
+            for group, run_id in ordered:
+                outcome = self._try_start(key, group, run_id, known)
+                if outcome in ("started", "filled"):
+                    return run_id, outcome == "started"
+                if outcome == "key full":
+                    return None, False
+                gone = gone or outcome == "gone"
+            if not gone:
+                return None, False  # every head waits for another key
+        return None, False
+
+    def _full(self, key: str, settings: Mapping[str, tuple[int | None, tuple[str, ...]]]) -> bool:
+        """Whether ``key`` is at its limit, by a count without its lock.
+
+        A shortcut for the common "a run was just queued on a full key", where
+        it saves the lock: a count that says full is reliable, as each run it
+        counted promotes on its own release, which sees the runs queued before.
+        A count that says there is room is made again under the lock.
+        """
+        limit, statuses = settings.get(key, (None, ()))
+        if limit is None or not statuses:
+            return False
+        return self.engine._count(TAG_PREFIX + key, statuses) >= limit
+
+    def _try_start(
+        self, key: str, group: str, run_id: str, known: Mapping[str, tuple[int | None, tuple[str, ...]]]
+    ) -> str:
+        """Start queued ``run_id`` if every key of it has room (counted under the keys' locks).
+
+        Outcomes: "started", "filled" (started, and it took the last free slot of
+        ``key``), "key full", "other key full" (another key of the run), "gone".
+        ``known``: quota settings already read, by key.
+        """
         engine, store = self.engine, self.engine.store
         keys = store.run_keys(run_id)
-        settings = store.quota_settings(keys)
+        settings = {k: known[k] for k in keys if k in known}
+        missing = [k for k in keys if k not in known]
+        if missing:
+            settings.update(store.quota_settings(missing))
         quotas = [
             Quota(k, limit, statuses)
             for k, (limit, statuses) in sorted(settings.items())
             if limit is not None and statuses
         ]
+        room = None  # free slots of ``key`` before this start, when it has a quota
         with store.admission(quotas):
             for quota in quotas:
-                if engine._count(quota.tag, quota.count_statuses) >= quota.limit:
+                active = engine._count(quota.tag, quota.count_statuses)
+                if active >= quota.limit:
                     return "key full" if quota.key == key else "other key full"
+                if quota.key == key:
+                    room = quota.limit - active
             if not store.transition(run_id, from_statuses=[RunStatus.QUEUED], to=RunStatus.PENDING):
                 return "gone"  # another promoter took it, or it was cancelled
             store.set_rr_cursor(key, group)
@@ -134,5 +184,5 @@ class Promoter:
         if record is not None:
             engine.dispatch(engine, record)
         logger.debug("Handed a slot of %s to queued run %s (group %r).", key, run_id, group)
-        return "started"
+        return "filled" if room == 1 else "started"
 

@@ -140,7 +140,6 @@ class DjangoStore:
         return True
 
     def create_run(self, record: RunRecord, tags: Sequence[str]) -> None:
-        models = _models()
         parent_id = None
         if record.parent_run_id:
             parent_id = self._runs().filter(run_id=record.parent_run_id).values_list("pk", flat=True).first()
@@ -175,7 +174,10 @@ class DjangoStore:
     def _set_status(self, qs: Any, status: str, **fields: Any) -> bool:
         """Compare-and-set: update the runs of ``qs`` and mirror the status on their tags."""
         models = _models()
-        with transaction.atomic(using=self.using):
+        # Inside a caller's transaction (a hand-off, a resume), no savepoint: an
+        # error here leaves that transaction anyway, and a savepoint costs two
+        # round trips on the hand-off path.
+        with transaction.atomic(using=self.using, savepoint=False):
             pks = list(qs.select_for_update().values_list("pk", flat=True))
             if not pks:
                 return False
@@ -379,10 +381,10 @@ class DjangoStore:
         queued = self._tags().counting(tag, [RunStatus.QUEUED])
         if namespace is not None:
             queued = queued.filter(namespace=namespace)
-        heads = queued.values("group_key").annotate(first=Min("id"))
-        ids = {row["first"]: row["group_key"] for row in heads}
-        runs = self._tags().filter(id__in=list(ids)).values_list("id", "run__run_id")
-        return sorted((ids[pk], run_id) for pk, run_id in runs)
+        # The first queued tag row of each group, and its run, in one statement.
+        firsts = queued.values("group_key").annotate(first=Min("id")).values("first")
+        heads = self._tags().filter(id__in=firsts).values_list("group_key", "run__run_id")
+        return sorted(heads)
 
     def rr_cursor(self, key: str) -> str:
         Lock = _models().ConcurrencyLock

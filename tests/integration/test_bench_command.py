@@ -10,40 +10,98 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg.conninfo import make_conninfo
 from django.conf import settings
 from django.core.management import CommandError, call_command
 from django.db import connection
+from psycopg.conninfo import make_conninfo
 
 ROOT = Path(__file__).resolve().parents[2]
 _OVER_ROW = re.compile(r"^b\s+over-admission after refusal storm\s+(?P<count>\d+)\s")
 
 
-@pytest.mark.postgres
-def test_smallest_run_prints_targets_and_over_admission_and_drops_its_database() -> None:
-    scratch = f"durable_bench_smoke_{os.getpid()}"
-    command = [
-        sys.executable, "manage.py", "durable_bench", "--quick", "--only", "b",
-        "--starters", "2", "--hot-limit", "3", "--hot-seconds", "0.3", "--db-name", scratch,
-    ]  # fmt: skip
+def bench(scratch: str, *args: str) -> list[str]:
+    """``manage.py durable_bench --quick --db-name <scratch> <args>`` in a subprocess; its output lines."""
+    command = [sys.executable, "manage.py", "durable_bench", "--quick", "--db-name", scratch, *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert "targets" in lines
-    rows = [m for m in map(_OVER_ROW.match, lines) if m]
-    assert len(rows) == 1
-    assert rows[0]["count"] == "0"  # quota exactness, not speed: no run beyond the limit
-    verdicts = [line.split()[0] for line in lines[lines.index("targets") + 1 :]]
-    assert verdicts and set(verdicts) <= {"PASS", "MISS", "N/A"}
-    assert len(verdicts) == 3  # refusal p99, over-admission after the storm, during churn
+    return lines
+
+
+def targets(lines: list[str]) -> list[str]:
+    return lines[lines.index("targets") + 1 :]
+
+
+def databases_left(scratch: str) -> list[tuple[str]]:
     db = settings.DATABASES["default"]
     params = {"host": db.get("HOST"), "port": db.get("PORT"), "user": db.get("USER"), "password": db.get("PASSWORD")}
     conninfo = make_conninfo("", dbname="postgres", **{k: str(v) for k, v in params.items() if v})
     with psycopg.connect(conninfo) as conn:
-        left = conn.execute("SELECT datname FROM pg_database WHERE datname LIKE %s", (scratch + "%",)).fetchall()
-    assert left == []
+        return conn.execute("SELECT datname FROM pg_database WHERE datname LIKE %s", (scratch + "%",)).fetchall()
+
+
+def row(lines: list[str], section: str, what: str, value: str) -> re.Match[str] | None:
+    """The first table row of ``section`` whose measurement starts with ``what`` and
+    whose value matches the regular expression ``value``."""
+    pattern = re.compile(rf"^{section}\s+{re.escape(what)}.*?\s{{2,}}(?P<value>{value})(\s{{2}}|$)")
+    return next((m for m in map(pattern.match, lines) if m), None)
+
+
+@pytest.mark.postgres
+def test_smallest_run_prints_targets_and_over_admission_and_drops_its_database() -> None:
+    scratch = f"durable_bench_smoke_{os.getpid()}"
+    lines = bench(scratch, "--only", "b", "--starters", "2", "--hot-limit", "3", "--hot-seconds", "0.3")
+
+    rows = [m for m in map(_OVER_ROW.match, lines) if m]
+    assert len(rows) == 1
+    assert rows[0]["count"] == "0"  # quota exactness, not speed: no run beyond the limit
+    verdicts = [line.split()[0] for line in targets(lines)]
+    assert verdicts and set(verdicts) <= {"PASS", "MISS", "N/A"}
+    assert len(verdicts) == 3  # refusal p99, over-admission after the storm, during churn
+    assert databases_left(scratch) == []
+
+
+@pytest.mark.postgres
+def test_group_round_robin_section_prints_rates_ratio_and_hand_offs() -> None:
+    scratch = f"durable_bench_grr_{os.getpid()}"
+    lines = bench(scratch, "--only", "e", "--procs", "1", "--queued-runs", "40", "--queued-keys", "5")
+
+    assert row(lines, "e", "queued GROUP_ROUND_ROBIN starts, 1 proc", r"[\d,]+ /s")
+    assert row(lines, "e", "REJECT starts (durable_admit), 1 proc", r"[\d,]+ /s")
+    assert row(lines, "e", "ratio queued GRR / REJECT, 1 proc", r"\d+\.\d\dx")
+    assert row(lines, "e", "SQL statements: REJECT start / queued start / hand-off", r"\d+ / \d+ / \d+")
+    handoffs = row(lines, "e", "hand-offs (complete a run + Promoter.promote), 1 proc", r"[\d,]+ /s")
+    assert handoffs is not None
+    # Exactness, not speed: every queued run was handed a slot.
+    assert "40 hand-offs" in handoffs.string and "queued runs left 0 " in handoffs.string
+    assert [line.split()[:2] for line in targets(lines)] == [["INFO", "(e)"], ["INFO", "(e)"]]
+    assert databases_left(scratch) == []
+
+
+@pytest.mark.postgres
+@pytest.mark.worker
+def test_hand_off_section_runs_a_celery_worker_and_prints_the_latencies() -> None:
+    if not os.environ.get("CELERY_BROKER_URL", "").startswith("redis://"):
+        pytest.skip("section (d) runs a Celery worker on Redis: set CELERY_BROKER_URL=redis://...")
+    scratch = f"durable_bench_handoff_{os.getpid()}"
+    lines = bench(scratch, "--only", "d", "--handoffs", "6")
+
+    assert row(lines, "d", "hand-offs per worker configuration", "5")
+    for name in ("per task", "pooled"):
+        assert row(lines, "d", f"slot hand-off latency p50 / p99, {name}", r"[\d.]+ ms / [\d.]+ ms")
+        assert row(lines, "d", f"  runs of a key overlapping, {name}", "0")  # limit 1 held, not speed
+    [verdict] = [line.split()[0] for line in targets(lines) if "(d)" in line]
+    assert verdict in ("PASS", "MISS")  # measured, whichever way
+    assert databases_left(scratch) == []
+
+
+def test_hand_off_section_takes_only_a_redis_broker() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("the command refuses SQLite before reading its options")
+    with pytest.raises(CommandError, match="Redis URL"):
+        call_command("durable_bench", "--only", "d", "--broker", "amqp://guest@localhost//")
 
 
 def test_refuses_sqlite() -> None:

@@ -128,6 +128,31 @@ def test_grr_several_keys_wait_holding_no_slot_of_any_key(engine: Engine) -> Non
     assert a2.refresh().status == "pending"
 
 
+
+def test_grr_promoter_reads_the_queue_again_when_its_head_was_taken(
+    engine: Engine, store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two releases race on a key of limit 2: A's promoter counts B in flight and
+    hands its one slot to q1; B's release commits after that count, and its
+    promoter had read the queue before q1 was started. That head is gone: it reads
+    the queue again and hands B's slot to q2, which would otherwise wait."""
+    engine.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(key=tenant, limit=2, strategy=GRR))
+    a, b, q1, q2 = (engine.start("w", {"tenant": "a"}) for _ in range(4))
+    stale = store.queued_heads("concurrency:tenant:a")  # B's promoter reads the queue early
+    assert [run_id for _, run_id in stale] == [q1.run_id]
+    assert store.transition(a.run_id, from_statuses=["pending"], to="completed")
+    assert engine.promoter.promote(["tenant:a"]) == [q1.run_id]  # A's release: its one slot
+    assert store.transition(b.run_id, from_statuses=["pending"], to="completed")
+    reads = [stale]
+    real = store.queued_heads
+
+    def queued_heads(tag: str, **kwargs: Any) -> list[tuple[str, str]]:
+        return reads.pop() if reads else real(tag, **kwargs)
+
+    monkeypatch.setattr(store, "queued_heads", queued_heads)
+    assert engine.promoter.promote(["tenant:a"]) == [q2.run_id]  # B's release, with the stale head
+    assert statuses(engine, [q1, q2]) == ["pending", "pending"]
+
 # -- CANCEL_IN_PROGRESS -----------------------------------------------------------------
 
 

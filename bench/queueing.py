@@ -1,0 +1,389 @@
+"""Sections (d) slot hand-off latency with a real Celery worker, (e) ``GROUP_ROUND_ROBIN`` admission."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from typing import Any
+
+import psycopg
+
+from bench import report as _report
+from bench import starters
+from bench.celery_worker import CeleryWorker
+from bench.pool import WorkerError, WorkerPool
+from bench.report import Report
+from bench.scratch import Scratch
+from bench.sections import Options, Progress
+
+#: Limit of every key of (d) and (e): the runs of a key form one chain of hand-offs.
+LIMIT = 1
+
+
+# -- (d) ------------------------------------------------------------------------
+#: The worker's database connections, measured one after the other: (name, DATABASE_URL query, what it is).
+WORKER_DATABASES = (
+    ("per task", "", "a new connection per task (the test project's settings: Celery closes it around every task)"),
+    ("pooled", "?pool=true", "Django's psycopg connection pool (DATABASE_URL ...?pool=true)"),
+)
+TARGET_D = "slot hand-off latency p50 (Celery worker, Redis)"
+
+
+def section_d(opts: Options, report: Report, scratch: Scratch, progress: Progress) -> None:
+    """Queue runs on a few keys, let a real worker run them; time each hand-off.
+
+    Twice, each time with a new worker, on keys of its own: once with the test
+    project's database settings (the target), once with a connection pool.
+    """
+    from celery import Celery
+    from kombu.utils.url import maybe_sanitize_url
+
+    n, nkeys = opts.handoffs, opts.handoff_keys
+    queue = f"durable-bench-{os.getpid()}"
+    app = Celery("durable-bench", broker=opts.broker, set_as_current=False)
+    app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=False)
+    conninfo = scratch.conninfo(scratch.main)
+    results: dict[str, _Chains] = {}
+    described = ""
+    reason = _reach(app)
+    if reason:
+        app.close()
+        progress(f"(d) left out: {reason}")
+        report.row("d", "slot hand-off latency", "-", f"not run: {reason}")
+        report.target("d", TARGET_D, "<= 50 ms", None, None, "-", reason)
+        return
+    try:
+        for name, query, _ in WORKER_DATABASES:
+            worker = CeleryWorker(
+                broker=opts.broker, database_url=scratch.url(scratch.main) + query, queue=queue,
+                pool="threads", concurrency=nkeys,
+            )  # fmt: skip
+            described = worker.describe()
+            _purge(app, queue)
+            prefix = f"d-{name.replace(' ', '-')}-"
+            progress(f"(d) {name}: queueing {n} runs on {nkeys} key(s), limit {LIMIT}, GROUP_ROUND_ROBIN")
+            statuses = _enqueue(app, queue, n, [f"{prefix}k{j}" for j in range(nkeys)])
+            if statuses != {"pending": nkeys, "queued": n - nkeys}:
+                raise RuntimeError(f"(d) expected {nkeys} pending and {n - nkeys} queued runs, got {statuses}")
+            progress(f"(d) {name}: starting a Celery worker ({described}); waiting for the {n} runs")
+            with worker:
+                _wait_finished(conninfo, prefix, n, worker, progress)
+            results[name] = _chains(conninfo, prefix)
+    finally:
+        try:
+            _delete_queue(app, queue)
+        finally:
+            app.close()
+    label = f"broker {maybe_sanitize_url(opts.broker)} ({opts.broker_source}); {described}"
+    _report_d(report, results, n, nkeys, label)
+
+
+def _reach(app: Any) -> str:
+    """Why the broker cannot be used ("" when it can)."""
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1, timeout=5)
+    except Exception as exc:
+        return f"cannot reach the broker ({type(exc).__name__}: {exc}); start Redis or pass --broker redis://host:port/db"
+    return ""
+
+
+def _purge(app: Any, queue: str) -> None:
+    with app.connection_for_write() as conn:
+        conn.default_channel.queue_purge(queue)
+
+
+def _delete_queue(app: Any, queue: str) -> None:
+    """Remove the queue and its binding keys from Redis (declared as Celery declares a queue of that name)."""
+    from kombu import Exchange, Queue
+
+    try:
+        with app.connection_for_write() as conn:
+            declared = Queue(queue, Exchange(queue), routing_key=queue)(conn.default_channel)
+            declared.declare()
+            declared.delete()
+    except Exception:  # best effort: what is left in Redis is a few small keys
+        pass
+
+
+class _Send:
+    """Dispatch of the benchmark process: the run's id to ``queue`` once the start commits."""
+
+    def __init__(self, app: Any, queue: str) -> None:
+        self.app, self.queue = app, queue
+
+    def __call__(self, engine: Any, run: Any) -> None:
+        from durable import tasks
+
+        run_id, task_id = run.run_id, tasks.task_id(run.run_id, run.generation)
+        engine.store.on_commit(
+            lambda: self.app.send_task(
+                tasks.EXECUTE_TASK, args=(run_id,), task_id=task_id, queue=self.queue, serializer="json"
+            )
+        )
+
+
+def _enqueue(app: Any, queue: str, n: int, keys: list[str]) -> dict[str, int]:
+    """Start ``n`` runs of the hand-off workflow round-robin on ``keys``: the first
+    of each key is sent to the (not yet started) worker, the others are queued."""
+    from bench import handoff
+    from durable import DjangoStore, Engine
+    from durable.runtime.registry import Registry
+
+    engine = Engine(store=DjangoStore(), dispatch=_Send(app, queue), registry=Registry())
+    engine.register(handoff.WORKFLOW, handoff.VERSION, handoff.body, handoff.CONCURRENCY)
+    statuses = Counter(str(engine.start(handoff.WORKFLOW, {"key": keys[i % len(keys)]}).status) for i in range(n))
+    return dict(statuses)
+
+
+_PROGRESS = """
+SELECT status, count(*) FROM durable_workflowrun WHERE workflow = %s AND input ->> 'key' LIKE %s GROUP BY status
+"""
+
+
+def _wait_finished(
+    conninfo: str, prefix: str, n: int, worker: CeleryWorker, progress: Progress, stall: float = 60.0
+) -> None:
+    """Poll until the ``n`` runs on keys ``prefix*`` are finished; raise if the worker
+    dies or stops making progress."""
+    from bench import handoff
+    from durable.status import TERMINAL_STATUSES
+
+    done, last_change, last_report = -1, time.monotonic(), time.monotonic()
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        while True:
+            worker.check()
+            rows = conn.execute(_PROGRESS, (handoff.WORKFLOW, prefix + "%")).fetchall()
+            counts: dict[str, int] = {str(status): int(count) for status, count in rows}
+            finished = sum(count for status, count in counts.items() if status in TERMINAL_STATUSES)
+            if finished != done:
+                done, last_change = finished, time.monotonic()
+            if any(counts.get(k) for k in ("failed", "dead", "cancelled")):
+                raise WorkerError(f"(d) some hand-off runs did not complete: {counts}\n{worker.log_tail()}")
+            if finished >= n:
+                return
+            now = time.monotonic()
+            if now - last_change > stall:
+                raise WorkerError(
+                    f"(d) no run finished for {stall:.0f} s ({finished} of {n} done, statuses {counts}); "
+                    f"the worker's log:\n{worker.log_tail()}"
+                )
+            if now - last_report > 5:
+                progress(f"(d) {finished} of {n} runs finished")
+                last_report = now
+            time.sleep(0.1)
+
+
+_TIMELINE = """
+SELECT input ->> 'key', extract(epoch FROM finished_at)::float8, extract(epoch FROM started_at)::float8,
+       (output ->> 'started')::float8
+  FROM durable_workflowrun WHERE workflow = %s AND status = 'completed' AND input ->> 'key' LIKE %s
+"""
+
+#: Per key, its runs as (started_at, body start, finished_at) in seconds, in the order they ran.
+_Chains = dict[str, list[tuple[float, float, float]]]
+
+
+def _chains(conninfo: str, prefix: str) -> _Chains:
+    from bench import handoff
+
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        rows = conn.execute(_TIMELINE, (handoff.WORKFLOW, prefix + "%")).fetchall()
+    chains: _Chains = {}
+    for key, finished, claimed, body in rows:
+        chains.setdefault(str(key), []).append((float(claimed), float(body), float(finished)))
+    for runs in chains.values():
+        runs.sort(key=lambda r: r[1])
+    return chains
+
+
+def _report_d(report: Report, results: dict[str, _Chains], n: int, nkeys: int, label: str) -> None:
+    chain = "one chain" if nkeys == 1 else f"{nkeys} chains in parallel"
+    report.row("d", "hand-offs per worker configuration", f"{n - nkeys:,}",
+               f"{n} runs on {nkeys} key(s) ({chain}), limit {LIMIT}, GROUP_ROUND_ROBIN")  # fmt: skip
+    measured: dict[str, tuple[list[float], int]] = {}
+    for name, _, what in WORKER_DATABASES:
+        # Hand-off i -> i+1 on a key: run i finished (its finished_at), run i+1's body started.
+        latency, to_claim, claim_to_body = [], [], []
+        for runs in results[name].values():
+            for (_, _, finished), (claimed, body, _) in zip(runs, runs[1:]):
+                latency.append((body - finished) * 1e6)
+                to_claim.append((claimed - finished) * 1e6)
+                claim_to_body.append((body - claimed) * 1e6)
+        latency.sort()
+        overlaps = sum(1 for us in latency if us < 0)
+        measured[name] = (latency, overlaps)
+        if not latency:
+            report.row("d", f"slot hand-off latency, {name}", "-", "no hand-off measured")
+            continue
+        report.row(
+            "d", f"slot hand-off latency p50 / p99, {name}",
+            f"{_report.ms(_report.percentile(latency, 50))} / {_report.ms(_report.percentile(latency, 99))}",
+            f"{len(latency)} hand-offs, max {_report.ms(latency[-1])}; {what}",
+        )  # fmt: skip
+        report.row(
+            "d", f"  p50 finished -> claimed / claimed -> body, {name}",
+            f"{_report.ms(_report.median(to_claim))} / {_report.ms(_report.median(claim_to_body))}",
+            "finish commit, Promoter.promote, Redis, pick-up / connect, claim, journal read",
+        )  # fmt: skip
+        report.row("d", f"  runs of a key overlapping, {name}", str(overlaps),
+                   "a body started before the previous run of its key finished (must be 0)")  # fmt: skip
+    report.note(
+        f"(d) {label}. A hand-off's latency: the body start of a key's next queued run (time.time() in the "
+        "worker) minus the finished_at of the run before it (timezone.now() in the worker as it finishes, before "
+        "its commit), two readings of one clock. It covers the finishing commit, Promoter.promote on commit, the "
+        "Redis message, the worker picking it up, connecting (per task) and claiming the run."
+    )
+    latency, overlaps = measured.get(WORKER_DATABASES[0][0], ([], 0))
+    p50, p99 = _report.percentile(latency, 50), _report.percentile(latency, 99)
+    short = "" if len(latency) >= 200 else f"(only {len(latency)} hand-offs: --quick or --handoffs)"
+    notes = [f"{WORKER_DATABASES[0][0]}, p99 {_report.ms(p99)}" if latency else "no hand-off measured", short,
+             f"{overlaps} overlapping runs" if overlaps else ""]  # fmt: skip
+    report.target(
+        "d", TARGET_D, "<= 50 ms", p50 if latency else None, bool(latency) and p50 <= 50_000 and overlaps == 0,
+        _report.ms(p50) if latency else "-", "; ".join(part for part in notes if part),
+    )  # fmt: skip
+
+
+# -- (e) ------------------------------------------------------------------------
+def section_e(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch, progress: Progress) -> None:
+    """Queued GROUP_ROUND_ROBIN admissions vs REJECT admissions; then the hand-offs that drain the queue."""
+    procs = [p for p in opts.procs if p <= pool.size]
+    runs, nkeys = opts.queued_runs, opts.queued_keys
+    pool.call(range(max(procs)), {"cmd": "prepare", "kind": "grr", "limit": LIMIT}, timeout=600)
+    statements = _statement_counts(report)
+    grr: dict[int, list[float]] = {}
+    reject: dict[int, list[float]] = {}
+    ratios: dict[int, list[float]] = {}
+    cpu: dict[tuple[str, int], list[float]] = {}
+    drains: list[dict[str, Any]] = []
+    for r in range(opts.grr_rounds):
+        for n in procs if r % 2 == 0 else procs[::-1]:
+            counts = [runs // n + (1 if i < runs % n else 0) for i in range(n)]
+            rates: dict[str, float] = {}
+            for kind in ("reject", "grr") if r % 2 == 0 else ("grr", "reject"):
+                keys = [f"e{r}-{kind}-n{n}-k{j}" for j in range(nkeys)]
+                if kind == "reject":
+                    # Fresh keys, one start each first (creates their lock rows), as in (a).
+                    pool.call(range(n), {"cmd": "warm", "keys": keys, "per_process": True}, timeout=600)
+                else:
+                    [filled] = pool.call([0], {"cmd": "fill", "keys": keys, "limit": LIMIT}, timeout=600)
+                    if filled["statuses"] != {"pending": nkeys * LIMIT}:
+                        raise RuntimeError(f"(e) filling {nkeys} keys gave {filled['statuses']}")
+                message = {"cmd": "admit", "kind": kind, "keys": keys, "per_process": kind == "reject",
+                           "counts": counts, "size": n}  # fmt: skip
+                replies = pool.call(range(n), message, timeout=600)
+                statuses: Counter[str] = Counter()
+                for rep in replies:
+                    statuses.update(rep["statuses"])
+                expected = "queued" if kind == "grr" else "pending"
+                if statuses != {expected: runs}:
+                    raise RuntimeError(f"(e) {runs} {kind} starts were expected {expected}, got {dict(statuses)}")
+                rates[kind] = runs / max(rep["elapsed"] for rep in replies)
+                cpu.setdefault((kind, n), []).append(sum(rep["cpu"] for rep in replies) / runs)
+                if kind == "grr" and n == procs[0]:
+                    progress(f"(e) handing the {runs} queued runs their slots (completing runs, Promoter.promote)")
+                    [drained] = pool.call([0], {"cmd": "drain", "keys": keys}, timeout=1200)
+                    drains.append(drained)
+            grr.setdefault(n, []).append(rates["grr"])
+            reject.setdefault(n, []).append(rates["reject"])
+            ratios.setdefault(n, []).append(rates["grr"] / rates["reject"])
+            progress(
+                f"(e) round {r + 1}/{opts.grr_rounds}, {n} proc: queued GRR {rates['grr']:,.0f} starts/s, "
+                f"REJECT {rates['reject']:,.0f} starts/s"
+            )
+    _report_e(report, opts, procs, grr, reject, ratios, cpu, drains, statements)
+
+
+def _report_e(
+    report: Report,
+    opts: Options,
+    procs: list[int],
+    grr: dict[int, list[float]],
+    reject: dict[int, list[float]],
+    ratios: dict[int, list[float]],
+    cpu: dict[tuple[str, int], list[float]],
+    drains: list[dict[str, Any]],
+    statements: dict[str, int],
+) -> None:
+    runs, nkeys = opts.queued_runs, opts.queued_keys
+
+    def detail(values: list[float], kind: str, n: int) -> str:
+        rounds = f"median of {len(values)} rounds ({', '.join(f'{v:,.0f}' for v in values)})" if len(values) > 1 else ""
+        client = f"client CPU {_report.median(cpu[(kind, n)]) * 1000:.2f} ms/start"
+        return "; ".join(part for part in (rounds, client) if part)
+
+    for n in procs:
+        report.row("e", f"queued GROUP_ROUND_ROBIN starts, {n} proc", _report.rate(_report.median(grr[n])),
+                   detail(grr[n], "grr", n))  # fmt: skip
+        report.row("e", f"REJECT starts (durable_admit), {n} proc", _report.rate(_report.median(reject[n])),
+                   detail(reject[n], "reject", n))  # fmt: skip
+        values = ratios[n]
+        report.row("e", f"ratio queued GRR / REJECT, {n} proc", _report.ratio(_report.median(values)),
+                   f"rounds: {', '.join(f'{v:.2f}' for v in values)}" if len(values) > 1 else "")  # fmt: skip
+    handoff_rates = [d["handoffs"] / d["elapsed"] for d in drains]
+    promote = sorted(us for d in drains for us in d["promote_us"])
+    handoffs = sum(d["handoffs"] for d in drains)
+    left = sum(d["queued_left"] for d in drains)
+    if drains:
+        report.row(
+            "e", f"hand-offs (complete a run + Promoter.promote), {procs[0]} proc",
+            _report.rate(_report.median(handoff_rates)),
+            f"{handoffs:,} hand-offs; promote p50 {_report.ms(_report.percentile(promote, 50))}, "
+            f"p99 {_report.ms(_report.percentile(promote, 99))}; queued runs left {left} (must be 0)",
+        )  # fmt: skip
+    report.note(
+        f"(e) {runs:,} starts per configuration and round, on {nkeys} keys of limit {LIMIT}. Queued GRR: every key "
+        "already at its limit, so each start is queued (Engine._admit, then Promoter.promote on commit in case a slot "
+        "freed meanwhile); REJECT: the no-op workflow of (a) on fresh keys of limit "
+        f"{starters.RATE_LIMIT} (durable_admit, one round trip). Both with a no-op dispatch. Hand-offs: each run in "
+        "flight is completed (the compare-and-set a finishing run makes) and its keys promoted, as "
+        "Executor.released does on commit, until the queue is empty."
+    )
+    ratio = _report.median(ratios[procs[0]])
+    if ratio < 0.2:
+        report.note(
+            f"(e) queued GRR starts run at {ratio:.2f}x the REJECT rate (below 0.2x). The time goes to round trips: "
+            f"a queued start sends {statements['queued']} SQL statements (Engine._admit's generic path: lock, two "
+            "counts, two inserts, then the queue read and the count of the promote on commit), a REJECT start "
+            f"{statements['reject']} (durable_admit, the whole admission in one function call)."
+        )
+    report.target("e", f"queued GRR / REJECT start rate, {procs[0]} proc", "(informational)", ratio, None,
+                  _report.ratio(ratio), info=True)  # fmt: skip
+    if drains:
+        rate = _report.median(handoff_rates)
+        report.target("e", f"hand-offs per second, {procs[0]} proc", "(informational)", rate, None,
+                      _report.rate(rate), info=True)  # fmt: skip
+
+
+def _statement_counts(report: Report) -> dict[str, int]:
+    """SQL statements of a REJECT start, of a queued GRR start, and of one hand-off (in this process)."""
+    from django.db import connection, reset_queries
+    from django.test.utils import CaptureQueriesContext
+    from django.utils import timezone
+
+    from durable.status import RunStatus
+
+    # The capture reads a log of at most 9,000 queries: (d) may have filled it.
+    reset_queries()
+    starter = starters.DurableStarter()
+    starter.set_grr_limit(LIMIT)
+    engine = starter.engine
+    starter.start("e-probe-reject")
+    with CaptureQueriesContext(connection) as rejected:
+        starter.start("e-probe-reject")
+    first = engine.start(starters.GRR_WORKFLOW, {"key": "e-probe-grr"})
+    with CaptureQueriesContext(connection) as queued:
+        engine.start(starters.GRR_WORKFLOW, {"key": "e-probe-grr"})
+    engine.store.transition(first.run_id, from_statuses=[RunStatus.PENDING], to=RunStatus.COMPLETED,
+                            finished_at=timezone.now())  # fmt: skip
+    with CaptureQueriesContext(connection) as handed:
+        started = engine.promoter.promote(engine.store.run_keys(first.run_id))
+    assert len(started) == 1, started
+    report.row(
+        "e", "SQL statements: REJECT start / queued start / hand-off",
+        f"{len(rejected)} / {len(queued)} / {len(handed)}",
+        "BEGIN..COMMIT included; hand-off: Executor.released's run_keys + Promoter.promote",
+    )  # fmt: skip
+    return {"reject": len(rejected), "queued": len(queued), "handoff": len(handed)}
