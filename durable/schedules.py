@@ -535,31 +535,20 @@ def save_instance(schedule: models.Schedule) -> models.Schedule:
     For model forms such as the admin's: the instance's ``FIELDS`` are what is
     saved, through ``create_schedule``/``update_schedule``. Returns the saved row.
     """
+    settings: dict[str, Any] = {
+        "workflow": schedule.workflow,
+        "input": schedule.input,
+        "cron": schedule.cron,
+        "every": schedule.interval_seconds,
+        "timezone": schedule.timezone,
+        "namespace": schedule.namespace,
+        "concurrency_key": schedule.concurrency_key,
+        "concurrency_limit": schedule.concurrency_limit,
+        "enabled": schedule.enabled,
+    }
     if schedule.pk is None:
-        return create_schedule(
-            schedule.name,
-            schedule.workflow,
-            schedule.input,
-            cron=schedule.cron,
-            every=schedule.interval_seconds,
-            timezone=schedule.timezone,
-            namespace=schedule.namespace,
-            concurrency_key=schedule.concurrency_key,
-            concurrency_limit=schedule.concurrency_limit,
-            enabled=schedule.enabled,
-        )
-    return update_schedule(
-        schedule,
-        workflow=schedule.workflow,
-        input=schedule.input,
-        cron=schedule.cron,
-        every=schedule.interval_seconds,
-        timezone=schedule.timezone,
-        namespace=schedule.namespace,
-        concurrency_key=schedule.concurrency_key,
-        concurrency_limit=schedule.concurrency_limit,
-        enabled=schedule.enabled,
-    )
+        return create_schedule(schedule.name, **settings)
+    return update_schedule(schedule, **settings)
 
 
 def pause(schedule: models.Schedule | str) -> models.Schedule:
