@@ -50,7 +50,6 @@ class Command(BaseCommand):
         parser.add_argument("--think", type=float, default=3.0, help="seconds each reply takes (default 3)")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        logging.getLogger("django.request").setLevel(logging.ERROR)  # the 429s are expected here
         logging.getLogger("durable.schedules").setLevel(logging.ERROR)  # so is the skipped window
         call_command("migrate", verbosity=0)
         token = self._demo_user()
@@ -61,6 +60,8 @@ class Command(BaseCommand):
         api = _Client(f"http://127.0.0.1:{options['port']}/durable/", token)
         try:
             with embedded_worker(celery_app, concurrency=10):
+                # The 429s are expected here (set after the worker, which configures logging).
+                logging.getLogger("django.request").setLevel(logging.ERROR)
                 self._run(api, options["turns"], options["think"])
                 self._skipped_window(api, options["think"], options["port"])
                 if not options["no_serve"]:
