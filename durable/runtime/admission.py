@@ -48,11 +48,11 @@ def decide(engine: Engine, workflow: str, quotas: Sequence[Quota]) -> Decision:
     """
     full: list[tuple[Quota, int, int]] = []
     for quota in quotas:
-        active = engine._count(quota.tag, quota.count_statuses)
+        active = engine.count_runs(quota.tag, quota.count_statuses)
         queued = 0
         if quota.strategy is Strategy.GROUP_ROUND_ROBIN:
             # Runs queued before this one go first: room is theirs.
-            queued = engine._count(quota.tag, [RunStatus.QUEUED])
+            queued = engine.count_runs(quota.tag, [RunStatus.QUEUED])
         if active >= quota.limit or queued:
             full.append((quota, active, queued))
         if quota.limit <= 0 or (quota.strategy is Strategy.REJECT and active >= quota.limit):
@@ -147,7 +147,7 @@ class Promoter:
         limit, statuses = settings.get(key, (None, ()))
         if limit is None or not statuses:
             return False
-        return self.engine._count(TAG_PREFIX + key, statuses) >= limit
+        return self.engine.count_runs(TAG_PREFIX + key, statuses) >= limit
 
     def _try_start(
         self, key: str, group: str, run_id: str, known: Mapping[str, tuple[int | None, tuple[str, ...]]]
@@ -172,7 +172,7 @@ class Promoter:
         room = None  # free slots of ``key`` before this start, when it has a quota
         with store.admission(quotas):
             for quota in quotas:
-                active = engine._count(quota.tag, quota.count_statuses)
+                active = engine.count_runs(quota.tag, quota.count_statuses)
                 if active >= quota.limit:
                     return "key full" if quota.key == key else "other key full"
                 if quota.key == key:

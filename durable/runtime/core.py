@@ -6,7 +6,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -296,12 +296,6 @@ class Engine:
             )
         return RunHandle(self, existing)
 
-    def _count(self, tag: str, statuses: Sequence[str]) -> int:
-        count_runs = getattr(self.store, "count_runs", None)
-        if count_runs is not None:
-            return int(count_runs(tag=tag, statuses=statuses, namespace=self.read_namespace))
-        return len(self.store.list_runs(tag=tag, statuses=statuses, namespace=self.read_namespace))
-
     # -- reading ---------------------------------------------------------------
     def _load(self, run_id: str) -> RunRecord:
         record = self.store.get_run(run_id) if _valid_run_id(run_id) else None
@@ -324,10 +318,12 @@ class Engine:
         return [RunHandle(self, r) for r in records]
 
     def count_runs(self, tag: str | None = None, statuses: Sequence[str] | None = None) -> int:
+        """One COUNT(*) through the store's ``count_runs``; a store without it is
+        counted with ``len(store.list_runs(...))``. This is what quotas count with."""
         count_runs = getattr(self.store, "count_runs", None)
         if count_runs is not None:
             return int(count_runs(tag=tag, statuses=statuses, namespace=self.read_namespace))
-        return len(self.list_runs(tag=tag, statuses=statuses))
+        return len(self.store.list_runs(tag=tag, statuses=statuses, namespace=self.read_namespace))
 
     # -- changing --------------------------------------------------------------
     def cancel(self, run_id: str) -> RunHandle:
@@ -379,12 +375,8 @@ class Engine:
         specs = definition.concurrency if concurrency is None else _per_start(concurrency)
         quotas = _concurrency.resolve(specs, record.input)
         with self.store.admission(quotas):
-            for quota in quotas:
-                active = self._count(quota.tag, quota.count_statuses)
-                if active >= quota.limit:
-                    raise exceptions.ConcurrencyLimitError(
-                        workflow=record.workflow, key=quota.key, limit=quota.limit, active=active
-                    )
+            # A retry never queues nor cancels: a full key refuses it, whatever its strategy.
+            admission.decide(self, record.workflow, [replace(q, strategy=_concurrency.Strategy.REJECT) for q in quotas])
             if not self.store.retry(run_id, from_statuses=_RETRYABLE, tags=[q.tag for q in quotas]):
                 current = self._load(run_id).status
                 raise exceptions.RunTerminalError(

@@ -180,7 +180,7 @@ class Executor:
             if limit is not None and statuses and from_status not in statuses
         ]
         with self.store.admission(recount):
-            full = any(engine._count(q.tag, q.count_statuses) >= q.limit for q in recount)
+            full = any(engine.count_runs(q.tag, q.count_statuses) >= q.limit for q in recount)
             to = RunStatus.QUEUED if full else RunStatus.PENDING
             moved = self.store.transition(
                 run.run_id, from_statuses=[from_status], to=to, expect=expect, dispatched_at=timezone.now(), **fields
