@@ -6,6 +6,8 @@
   statement for statement (see ``RawStarter.start``). It is the ceiling durable is
   measured against, so it is written the way one would naturally write it.
 - ``ProcrastinateStarter``: ``task.defer()`` on a sync procrastinate app.
+- ``RoundTrip``: not a start: ``SELECT 1`` through Django's cursor or bare
+  psycopg, the floor under any refusal's latency on this machine.
 - ``DbosStarter``: ``DBOSClient.enqueue()`` onto a DBOS queue. The client only
   enqueues: no DBOS executor runs, so nothing dequeues during the measurement,
   as with durable's no-op dispatch.
@@ -169,6 +171,33 @@ class RawStarter:
 
     def close(self) -> None:
         self.conn.close()
+
+
+class RoundTrip:
+    """``SELECT 1``, the cheapest statement there is: the floor under a refusal.
+
+    ``via="django"`` sends it through Django's ``connection.cursor()``, the way
+    durable's own statement goes; ``via="psycopg"`` on a bare psycopg connection.
+    """
+
+    def __init__(self, via: str, conninfo: str) -> None:
+        if via not in ("django", "psycopg"):
+            raise ValueError(f"unknown round trip {via!r}")
+        self.conn = psycopg.connect(conninfo, autocommit=True) if via == "psycopg" else None
+
+    def __call__(self) -> None:
+        if self.conn is not None:
+            self.conn.execute("SELECT 1").fetchone()
+            return
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+            cursor.fetchone()
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
 
 
 class _Refused(Exception):

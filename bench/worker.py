@@ -15,6 +15,10 @@ Commands (``cmd``):
   for ``seconds``; reply the count, the elapsed time and the CPU time used.
 - ``storm``: start the hot workflow on ``key`` for ``seconds``; reply the
   admitted and refused counts and their latencies (microseconds).
+- ``roundtrip``: send ``SELECT 1`` for ``seconds`` through ``via`` ("django":
+  Django's ``connection.cursor()``, as durable does; "psycopg": a bare psycopg
+  connection); reply every call's latency (microseconds). The floor under any
+  refusal, measured with the same processes.
 - ``latency``: ``starts`` starts on each alias, alternating between the aliases
   start by start; reply every start's latency (microseconds).
 - ``warm``: one start of the no-op workflow on each of ``keys`` (creates their lock rows).
@@ -38,6 +42,7 @@ import os
 import time
 import traceback
 from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from bench import starters
@@ -100,6 +105,8 @@ class _Worker:
             return self.rate(message["kind"], float(message["seconds"]), int(message["nkeys"]), int(message["size"]))
         if cmd == "storm":
             return self.storm(message["key"], float(message["seconds"]), int(message["size"]))
+        if cmd == "roundtrip":
+            return self.roundtrip(message["via"], float(message["seconds"]), int(message["size"]))
         if cmd == "latency":
             return self.latency(message["aliases"], int(message["starts"]), int(message["nkeys"]))
         if cmd == "warm":
@@ -163,16 +170,15 @@ class _Worker:
         durable = self.starters["durable"]
         admitted: list[int] = []
         refused: list[int] = []
-        self.barriers[size].wait(timeout=120)
-        deadline = time.perf_counter() + seconds
-        while True:
-            t = time.perf_counter()
-            ok = durable.start(key, workflow=starters.HOT_WORKFLOW)
-            now = time.perf_counter()
-            (admitted if ok else refused).append(int((now - t) * 1e6))
-            if now >= deadline:
-                break
+        for ok, us in _timed(lambda: durable.start(key, workflow=starters.HOT_WORKFLOW), seconds, self.barriers[size]):
+            (admitted if ok else refused).append(us)
         return {"admitted_us": admitted, "refused_us": refused}
+
+    def roundtrip(self, via: str, seconds: float, size: int) -> Reply:
+        probe = self._starter(f"roundtrip@{via}")
+        for _ in range(50):
+            probe()
+        return {"latency_us": [us for _, us in _timed(probe, seconds, self.barriers[size])]}
 
     def latency(self, aliases: list[str], starts: int, nkeys: int) -> Reply:
         """``starts`` timed starts on each alias, alternating start by start (AB BA AB ...)."""
@@ -266,6 +272,8 @@ class _Worker:
             return starters.DurableStarter()
         if kind.startswith("durable@"):
             return starters.DurableStarter(using=kind.partition("@")[2])
+        if kind.startswith("roundtrip@"):
+            return starters.RoundTrip(kind.partition("@")[2], self.config["conninfo"])
         if kind == "raw":
             return starters.RawStarter(self.config["conninfo"])
         if kind == "procrastinate":
@@ -280,6 +288,20 @@ class _Worker:
                 starter.close()
             except Exception:
                 pass
+
+
+def _timed(call: Callable[[], Any], seconds: float, barrier: Any) -> Iterator[tuple[Any, int]]:
+    """Call ``call`` over and over for ``seconds``, from the barrier on; yield each
+    result with the call's latency in microseconds."""
+    barrier.wait(timeout=120)
+    deadline = time.perf_counter() + seconds
+    while True:
+        t = time.perf_counter()
+        result = call()
+        now = time.perf_counter()
+        yield result, int((now - t) * 1e6)
+        if now >= deadline:
+            return
 
 
 def _latency_key(j: int) -> str:

@@ -57,6 +57,10 @@ def test_smallest_run_prints_targets_and_over_admission_and_drops_its_database()
     rows = [m for m in map(_OVER_ROW.match, lines) if m]
     assert len(rows) == 1
     assert rows[0]["count"] == "0"  # quota exactness, not speed: no run beyond the limit
+    for via in ("django", "psycopg"):  # the round-trip floor, measured by the same 2 processes
+        assert row(lines, "b", f"floor: SELECT 1 p50 / p99, 2 procs, {via}", r"[\d.]+ ms / [\d.]+ ms")
+    [refusal] = [line for line in targets(lines) if "refusal latency p99" in line]
+    assert re.search(r"floor here: django SELECT 1 p99 [\d.]+ ms; psycopg SELECT 1 p99 [\d.]+ ms", refusal)
     verdicts = [line.split()[0] for line in targets(lines)]
     assert verdicts and set(verdicts) <= {"PASS", "MISS", "N/A"}
     assert len(verdicts) == 3  # refusal p99, over-admission after the storm, during churn
