@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db.models import Count, Min
+from django.db.models import Count, Min, Q
 
 from durable import models
 from durable.concurrency import TAG_PREFIX
@@ -34,9 +34,15 @@ def quota_infos(*, namespace: str | None = None, key: str | None = None) -> list
     if key is not None:
         locks = locks.filter(key=key)
     lock_rows = list(locks)
-    tags = models.RunTag.objects.filter(
-        tag__in=[TAG_PREFIX + lock.key for lock in lock_rows], status__in=ACTIVE_STATUSES
-    )
+    # Every in-flight status, plus the terminal ones a key counts (a lifetime cap
+    # counts "completed"): each an index range on (tag, status), so the finished
+    # runs of the other keys are never read.
+    wanted = Q(status__in=ACTIVE_STATUSES)
+    for lock in lock_rows:
+        terminal = sorted(set(lock.count_statuses or ()) - set(ACTIVE_STATUSES))
+        if terminal:
+            wanted |= Q(tag=TAG_PREFIX + lock.key, status__in=terminal)
+    tags = models.RunTag.objects.filter(wanted, tag__in=[TAG_PREFIX + lock.key for lock in lock_rows])
     if namespace is not None:
         tags = tags.filter(namespace=namespace)
     # One grouped query for every key: (tag, status) -> count, oldest creation.

@@ -8,6 +8,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from durable.models import ConcurrencyLock
+from durable.stores import DjangoStore
 from durable.testing import WorkflowRunFactory, tagged
 from tests.api.helpers import quota_url, start_add
 
@@ -55,6 +56,20 @@ def test_quota_detail_counts_only_the_counted_statuses(api: APIClient) -> None:
     }
     assert response.json()["oldest_active_at"] is not None
     assert response.json()["oldest_queued_at"] is not None
+
+
+def test_lifetime_cap_counts_its_finished_runs_as_admission_does(api: APIClient) -> None:
+    ConcurrencyLock.objects.create(key="onboarding:acme", limit=3, count_statuses=["pending", "completed"])
+    ConcurrencyLock.objects.create(key="tenant:acme", limit=3, count_statuses=["pending"])
+    tagged(WorkflowRunFactory(status="completed"), "concurrency:onboarding:acme")
+    tagged(WorkflowRunFactory(status="completed"), "concurrency:onboarding:acme")
+    tagged(WorkflowRunFactory(status="pending"), "concurrency:onboarding:acme")
+    tagged(WorkflowRunFactory(status="failed"), "concurrency:onboarding:acme")  # not counted
+    tagged(WorkflowRunFactory(status="completed"), "concurrency:tenant:acme")  # this key counts pending only
+    body = {q["key"]: q for q in api.get(quota_url()).json()["results"]}
+    admission = DjangoStore().count_runs(tag="concurrency:onboarding:acme", statuses=["pending", "completed"])
+    assert body["onboarding:acme"]["active"] == admission == 3  # full, as the next start will find it
+    assert body["tenant:acme"]["active"] == 0
 
 
 def test_quota_with_unknown_limit_and_no_active_runs(api: APIClient) -> None:
