@@ -36,6 +36,8 @@ class CeleryDispatch:
 
     The task id is ``<run id>:<generation>``, so cancelling a run can revoke its
     messages (those not yet started are dropped) without touching a later retry's.
+    Sends and revokes run after the commit, so they never raise: a failure is
+    logged and a run left ``pending`` is sent again by the sweeper (``durable.tasks``).
     """
 
     def __call__(self, engine: Engine, run: RunRecord) -> None:
