@@ -357,7 +357,10 @@ class Engine:
         if cancelled:
             revoke = getattr(self.dispatch, "revoke", None)
             if revoke is not None:
-                revoke(self, run)
+                try:
+                    revoke(self, run)
+                except Exception:  # best effort: the run is cancelled, a late message does nothing
+                    logger.exception("Could not revoke the messages of cancelled run %s; the cancel goes on.", run.run_id)
             for child in self.store.active_children(run.run_id):
                 self._cancel(child, reason=f"Cancelled with its parent run {run.run_id!r}.")
             self.executor.ended(run)

@@ -135,3 +135,25 @@ def test_post_cancel_is_200_when_the_broker_is_down(
 
 def logged(caplog: pytest.LogCaptureFixture, run_id: str, words: str) -> bool:
     return any(r.levelname == "ERROR" and run_id in r.getMessage() and words in r.getMessage() for r in caplog.records)
+
+
+class RevokeFails:
+    """A dispatcher whose revoke raises at once (not on commit), as a broker client would."""
+
+    def __call__(self, engine: Engine, run: Any) -> None:
+        return None
+
+    def revoke(self, engine: Engine, run: Any) -> None:
+        raise ConnectionError("broker unreachable")
+
+
+@pytest.mark.parametrize("store", ["django", "memory"])
+def test_a_revoke_that_raises_does_not_fail_the_cancel(store: str, caplog: pytest.LogCaptureFixture) -> None:
+    from durable import InMemoryStore
+
+    e = Engine(DjangoStore() if store == "django" else InMemoryStore(), dispatch=RevokeFails())
+    parent = e.start("test.add", add_input("k"))
+    child = e.start("test.add", add_input("k"), parent_run_id=parent.run_id)
+    assert e.cancel(parent.run_id).status == "cancelled"
+    assert e.get_run(child.run_id).status == "cancelled"  # the cancel went on to the children
+    assert logged(caplog, parent.run_id, "revoke")
