@@ -8,9 +8,11 @@ row, count, insert) is done by the engine through the store, see
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import enum
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -26,6 +28,9 @@ COUNTABLE_STATUSES = ALL_STATUSES - {RunStatus.QUEUED}
 #: Longest key accepted; the tag ``concurrency:<key>`` must fit its column.
 MAX_KEY_LENGTH = 200
 TAG_PREFIX = "concurrency:"
+#: The range of a limit: what the database's integer columns hold (``limit <= 0``
+#: rejects every start).
+MIN_LIMIT, MAX_LIMIT = -(2**31), 2**31 - 1
 
 
 class Strategy(str, enum.Enum):
@@ -80,6 +85,8 @@ class Concurrency:
             raise exceptions.InvalidStartError(
                 f"Concurrency(limit=...) must be an int or a function of the key, got {self.limit!r}."
             )
+        if isinstance(self.limit, int):
+            _check_limit_range(self.limit, "Concurrency(limit=...)")
         statuses = self.count_statuses
         if isinstance(statuses, str) or not statuses or not set(statuses) <= COUNTABLE_STATUSES:
             raise exceptions.InvalidStartError(
@@ -215,11 +222,11 @@ def _resolve_limit(spec: Concurrency, key: str) -> int:
     if callable(limit):
         try:
             if inspect.iscoroutinefunction(limit):
-                limit = async_to_sync(limit)(key)
+                limit = _run_async(limit(key))
             else:
                 limit = limit(key)
                 if inspect.isawaitable(limit):
-                    limit = async_to_sync(_await)(limit)
+                    limit = _run_async(_await(limit))
         except Exception as exc:
             raise exceptions.InvalidStartError(
                 f"The concurrency limit function raised {type(exc).__name__} for key {key!r}: {exc}.",
@@ -228,7 +235,32 @@ def _resolve_limit(spec: Concurrency, key: str) -> int:
         raise exceptions.InvalidStartError(
             f"A concurrency limit must be an integer, got {limit!r} for key {key!r}."
         )
+    _check_limit_range(limit, f"The concurrency limit for key {key!r}")
     return limit
+
+
+def _check_limit_range(limit: int, what: str) -> None:
+    if not MIN_LIMIT <= limit <= MAX_LIMIT:
+        raise exceptions.InvalidStartError(
+            f"{what} must be from {MIN_LIMIT} to {MAX_LIMIT} (a 32-bit integer; 0 or less rejects "
+            f"every start), got {limit!r}."
+        )
+
+
+def _run_async(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """The result of an async limit function, from sync code.
+
+    ``async_to_sync`` when no event loop runs in this thread; when one does (a
+    start called straight from a coroutine), which ``async_to_sync`` refuses,
+    the coroutine runs to completion on a loop of its own in a worker thread
+    (the calling loop waits meanwhile).
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return async_to_sync(_await)(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="durable-limit") as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 async def _await(awaitable: Any) -> Any:

@@ -75,7 +75,7 @@ class RunTag(models.Model):
     namespace = models.CharField(max_length=100, default="default")
     #: The run's other concurrency tags, joined: the group a queued run belongs to
     #: when this tag's freed slots are handed out round-robin.
-    group_key = models.CharField(max_length=1024, blank=True, default="")
+    group_key = models.TextField(blank=True, default="")
     created_at = models.DateTimeField(db_default=Now())
 
     objects = models.Manager.from_queryset(RunTagQuerySet)()
@@ -99,7 +99,7 @@ class ConcurrencyLock(models.Model):
     limit = models.IntegerField(null=True, blank=True)
     count_statuses = models.JSONField(default=list, blank=True)
     #: The group the last round-robin hand-off of this key went to.
-    rr_cursor = models.CharField(max_length=1024, blank=True, default="")
+    rr_cursor = models.TextField(blank=True, default="")
     created_at = models.DateTimeField(db_default=Now())
 
     class Meta:

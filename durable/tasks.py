@@ -13,6 +13,7 @@ from typing import Any
 
 from celery import shared_task
 from celery.signals import worker_ready
+from kombu.exceptions import OperationalError
 
 from durable.conf import settings
 
@@ -69,27 +70,73 @@ def _queue(queue: str = "") -> dict[str, Any]:
     return {"queue": chosen} if chosen else {}
 
 
-def send_run(run_id: str, *, task_id: str, queue: str = "") -> None:
-    """Send one run to the workers (called on commit). ``queue``: a remote workflow's queue."""
-    execute_run.apply_async(args=(run_id,), task_id=task_id, serializer="json", **_queue(queue))
+#: How ``send_run`` and ``send_wake`` publish: one quick retry (a pooled
+#: connection gone stale after a broker restart reconnects), then give up, so a
+#: start never hangs on a dead broker (Celery's default retries longer). How long
+#: one connection attempt may take is the broker's setting (see the settings reference).
+SEND_RETRY_POLICY: dict[str, Any] = {"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.2}
 
 
-def send_wake(run_id: str, *, eta: datetime, queue: str = "") -> None:
+def send_run(run_id: str, *, task_id: str, queue: str = "") -> bool:
+    """Send one run to the workers (called on commit). ``queue``: a remote workflow's queue.
+
+    Never raises: the run is committed already, and a run whose message is lost
+    stays ``pending`` until the sweeper sends it again (``REDISPATCH_AFTER``).
+    A failed send is logged; returns whether the broker took the message.
+    """
+    try:
+        execute_run.apply_async(
+            args=(run_id,), task_id=task_id, serializer="json", retry_policy=SEND_RETRY_POLICY, **_queue(queue)
+        )
+    except Exception as exc:
+        logger.error(
+            "Could not send run %s to the broker (%s: %s). The run is saved as pending; "
+            "the sweeper sends it again after REDISPATCH_AFTER (%ss).",
+            run_id, type(exc).__name__, exc, settings.REDISPATCH_AFTER, exc_info=_traceback(exc),
+        )  # fmt: skip
+        return False
+    return True
+
+
+def send_wake(run_id: str, *, eta: datetime, queue: str = "") -> bool:
     """Ask a worker to wake the run at ``eta``.
 
     Only a fast path: Redis may deliver a long ETA twice (after its visibility
     timeout), and a lost one is covered by the sweeper, which wakes due runs
-    from the database.
+    from the database. So a failed send is logged, never raised.
     """
-    wake_run.apply_async(args=(run_id,), eta=eta, serializer="json", **_queue(queue))
+    try:
+        wake_run.apply_async(args=(run_id,), eta=eta, serializer="json", retry_policy=SEND_RETRY_POLICY, **_queue(queue))
+    except Exception as exc:
+        logger.error(
+            "Could not send the timer of run %s to the broker (%s: %s); the sweeper wakes the run when it is due.",
+            run_id, type(exc).__name__, exc, exc_info=_traceback(exc),
+        )  # fmt: skip
+        return False
+    return True
 
 
-def revoke(task_id: str) -> None:
+def revoke(task_id: str) -> bool:
     """Ask the workers to drop the messages of a cancelled run they have not started.
 
-    Best effort: a message that still arrives finds the run cancelled and does nothing.
+    Best effort, never raises: a message that still arrives finds the run
+    cancelled and does nothing. A failed revoke is logged.
     """
-    execute_run.app.control.revoke(task_id)
+    try:
+        execute_run.app.control.revoke(task_id)
+    except Exception as exc:
+        logger.error(
+            "Could not revoke the messages of run %s (task %s) on the broker (%s: %s); the run is cancelled, "
+            "and a message that still arrives does nothing.",
+            task_id.rpartition(":")[0], task_id, type(exc).__name__, exc, exc_info=_traceback(exc),
+        )  # fmt: skip
+        return False
+    return True
+
+
+def _traceback(exc: BaseException) -> bool:
+    """Whether a failed send deserves a traceback: not for the broker being unreachable."""
+    return not isinstance(exc, (OperationalError, OSError))
 
 
 def live_queues(timeout: float = 1.0) -> list[str]:

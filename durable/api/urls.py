@@ -8,8 +8,10 @@ from durable.api import views
 
 app_name = "durable"
 
-# Run ids and quota keys may contain "/": the sub-resources of a run come before
-# its detail route so that ``runs/<id>/cancel/`` (or ``signal/``) is never read as a run id.
+# Quota keys may contain "/", and so may the ids of runs created before run ids
+# were refused one (``durable.runtime.core._check_run_id``: no "/", no control
+# characters, which ``path`` cannot match either). The sub-resources of a run come
+# before its detail route so that ``runs/<id>/cancel/`` (or ``signal/``) is never read as a run id.
 urlpatterns: list[URLPattern] = [
     path("runs/", views.RunListView.as_view(), name="run-list"),
     path("runs/<path:run_id>/cancel/", views.RunCancelView.as_view(), name="run-cancel"),

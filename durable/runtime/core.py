@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import unicodedata
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,6 +37,8 @@ class CeleryDispatch:
 
     The task id is ``<run id>:<generation>``, so cancelling a run can revoke its
     messages (those not yet started are dropped) without touching a later retry's.
+    Sends and revokes run after the commit, so they never raise: a failure is
+    logged and a run left ``pending`` is sent again by the sweeper (``durable.tasks``).
     """
 
     def __call__(self, engine: Engine, run: RunRecord) -> None:
@@ -235,10 +238,11 @@ class Engine:
         definition = self.registry.current(name) if version is None else self.registry.get(name, str(version))
         input = check_json(input, what="the workflow input")
         if run_id is not None:
-            _check_run_id(run_id)
-            existing = self.store.get_run(run_id)
+            # An existing run is returned first: one created before the run id rule stays re-startable.
+            existing = self.store.get_run(run_id) if _valid_run_id(run_id) else None
             if existing is not None:
                 return self._restarted(existing, definition.name)
+            _check_run_id(run_id)
         specs = definition.concurrency if concurrency is None else _per_start(concurrency)
         quotas = _concurrency.resolve(specs, input)
         record = RunRecord(
@@ -353,7 +357,10 @@ class Engine:
         if cancelled:
             revoke = getattr(self.dispatch, "revoke", None)
             if revoke is not None:
-                revoke(self, run)
+                try:
+                    revoke(self, run)
+                except Exception:  # best effort: the run is cancelled, a late message does nothing
+                    logger.exception("Could not revoke the messages of cancelled run %s; the cancel goes on.", run.run_id)
             for child in self.store.active_children(run.run_id):
                 self._cancel(child, reason=f"Cancelled with its parent run {run.run_id!r}.")
             self.executor.ended(run)
@@ -479,13 +486,45 @@ def _per_start(spec: _concurrency.ConcurrencySpec) -> tuple[_concurrency.Concurr
     return specs
 
 
+#: Longest run id (the size of its column).
+MAX_RUN_ID_LENGTH = 255
+
+
 def _valid_run_id(run_id: Any) -> bool:
-    return isinstance(run_id, str) and 0 < len(run_id) <= 255 and "\x00" not in run_id
+    """Whether ``run_id`` can name a stored run (a lookup; runs created before the
+    rule of ``_check_run_id`` may hold ``/``)."""
+    return (
+        isinstance(run_id, str)
+        and 0 < len(run_id) <= MAX_RUN_ID_LENGTH
+        and "\x00" not in run_id
+        and not any("\ud800" <= c <= "\udfff" for c in run_id)  # a lone surrogate cannot be stored
+    )
 
 
 def _check_run_id(run_id: Any) -> None:
-    if not _valid_run_id(run_id):
-        raise exceptions.InvalidStartError(f"A run id must be a string of 1 to 255 characters, got {run_id!r}.")
+    """The rule for a new run's explicit id: one the HTTP API's URLs can address.
 
-
-
+    ``runs/<run_id>/`` and its ``cancel/`` and ``signal/`` sub-resources take the
+    id as one path segment, so it may not hold ``/``, control characters (a URL
+    cannot carry a newline), lone surrogates, leading or trailing whitespace, nor
+    be ``.`` or ``..`` (clients resolve them as relative path segments).
+    """
+    if not isinstance(run_id, str) or not 0 < len(run_id) <= MAX_RUN_ID_LENGTH:
+        raise exceptions.InvalidStartError(
+            f"A run id must be a string of 1 to {MAX_RUN_ID_LENGTH} characters, got {run_id!r}."
+        )
+    problem = ""
+    if "/" in run_id:
+        problem = "contains '/'"
+    elif any(unicodedata.category(c) in ("Cc", "Cs") for c in run_id):
+        problem = "contains a control character or a lone surrogate"
+    elif run_id != run_id.strip():
+        problem = "starts or ends with whitespace"
+    elif run_id in (".", ".."):
+        problem = "is a relative path segment"
+    if problem:
+        raise exceptions.InvalidStartError(
+            f"A run id {problem}, got {run_id!r}: a run id is one segment of the HTTP API's URLs "
+            "(runs/<run_id>/), so it may not contain '/' or control characters, start or end with "
+            "whitespace, or be '.' or '..'."
+        )

@@ -240,3 +240,32 @@ def test_group_round_robin_queues_then_answers_429_when_the_queue_is_full(api: A
     assert counts() == before
     quota = api.get("/durable/quotas/q/").json()
     assert (quota["active"], quota["queued"]) == (1, 1)
+
+
+@pytest.mark.parametrize("run_id", ["x/cancel", "y/signal", "t\nnl", " padded ", ".."])
+def test_run_id_the_urls_cannot_address_is_400_and_creates_nothing(api: APIClient, run_id: str) -> None:
+    before = counts()
+    response = start_add(api, run_id=run_id)
+    assert response.status_code == 400, response.content
+    assert response.json()["code"] == "invalid_start"
+    assert "run id" in response.json()["detail"]
+    assert counts() == before
+
+
+def test_every_url_of_an_accepted_run_id_reaches_the_run(api: APIClient) -> None:
+    from tests.api.helpers import cancel_url, run_url, signal_url
+
+    run_id = "a b:ü?#%.x"
+    assert start_add(api, run_id=run_id).status_code == 201
+    assert api.get(run_url(run_id)).json()["run_id"] == run_id
+    assert api.post(signal_url(run_id), {"name": "go"}, format="json").status_code == 202
+    assert api.post(cancel_url(run_id)).json()["status"] == "cancelled"
+
+
+def test_a_stored_run_id_with_a_slash_is_still_reachable(api: APIClient) -> None:
+    """Runs created before the run id rule are not affected by it."""
+    from tests.api.helpers import cancel_url
+
+    WorkflowRunFactory(run_id="legacy/7", workflow="test.add", status="pending")
+    assert start_add(api, run_id="legacy/7").status_code == 200
+    assert api.post(cancel_url("legacy/7")).json()["status"] == "cancelled"

@@ -151,3 +151,132 @@ def test_run_lookup_with_an_impossible_id_is_not_found(engine: Engine) -> None:
     for run_id in ["a\x00b", "", "x" * 300]:
         with pytest.raises(RunNotFound):
             engine.get_run(run_id)
+
+
+# -- run ids the HTTP API's URLs can address ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "run_id",
+    ["x/cancel", "y/signal", "a/b", "t\nnl", "tab\there", "del\x7f", "\x85next-line", " lead", "trail ", "\ud800", ".", ".."],
+    ids=["cancel", "signal", "slash", "newline", "tab", "del", "c1-control", "leading-space", "trailing-space",
+         "lone-surrogate", "dot", "dotdot"],
+)  # fmt: skip
+def test_run_id_that_no_url_can_address_is_refused(engine: Engine, run_id: str) -> None:
+    engine.register("w", "1", _noop)
+    with pytest.raises(InvalidStartError, match="run id"):
+        engine.start("w", {}, run_id=run_id)
+    assert_nothing_created(engine)
+
+
+@pytest.mark.parametrize("run_id", ["order-42", "event:e1:w", "a b", "ü:ß:😀", "x" * 255, "a.b", "...", "?#%"])
+def test_run_id_rule_accepts_ordinary_ids(engine: Engine, run_id: str) -> None:
+    engine.register("w", "1", _noop)
+    assert engine.start("w", {}, run_id=run_id).run_id == run_id
+
+
+def test_a_stored_run_id_with_a_slash_stays_readable_and_cancellable(engine: Engine) -> None:
+    """Runs created before the rule (their ids may hold "/") are not affected by it."""
+    from durable.status import RunStatus
+    from durable.stores import RunRecord
+
+    engine.register("w", "1", _noop)
+    record = RunRecord(run_id="legacy/1", workflow="w", version="1", namespace="default", status=RunStatus.PENDING)
+    engine.store.create_run(record, [])
+    assert engine.get_run("legacy/1").status == "pending"
+    assert engine.start("w", {}, run_id="legacy/1").created is False
+    assert engine.cancel("legacy/1").status == "cancelled"
+
+
+# -- limits the database can hold ------------------------------------------------------------------
+
+INT_MAX = 2**31 - 1
+
+
+@pytest.mark.parametrize("limit", [2**31, 2**63, -(2**31) - 1])
+def test_declared_limit_out_of_the_columns_range_is_refused(limit: int) -> None:
+    with pytest.raises(InvalidStartError, match="2147483647"):
+        Concurrency(key="k", limit=limit)
+
+
+@pytest.mark.parametrize("limit", [2**31, 10**20, -(2**31) - 1])
+def test_limit_function_returning_a_limit_out_of_range(engine: Engine, limit: int) -> None:
+    engine.register("w", "1", _noop, concurrency=Concurrency(key="k", limit=lambda key: limit))
+    with pytest.raises(InvalidStartError, match="2147483647"):
+        engine.start("w", {})
+    assert_nothing_created(engine)
+
+
+@pytest.mark.parametrize("limit", [INT_MAX, -(2**31)])
+def test_limits_at_the_ends_of_the_range_work(engine: Engine, limit: int) -> None:
+    from durable import ConcurrencyLimitError
+
+    engine.register("w", "1", _noop, concurrency=Concurrency(key="k", limit=lambda key: limit))
+    if limit > 0:
+        assert engine.start("w", {}).status == "pending"
+    else:
+        with pytest.raises(ConcurrencyLimitError):
+            engine.start("w", {})
+
+
+# -- long keys and many of them ------------------------------------------------------------------
+
+
+def _keys_workflow(engine: Engine, n: int, *, strategy: Strategy = Strategy.REJECT) -> None:
+    specs = [
+        Concurrency(key=lambda i, n=n: i["keys"][n], limit=1 if n == 0 else 100, strategy=strategy if n == 0 else Strategy.REJECT)
+        for n in range(n)
+    ]
+    engine.register("w", "1", _noop, concurrency=specs)
+
+
+def test_six_keys_of_200_characters(engine: Engine) -> None:
+    _keys_workflow(engine, 6)
+    keys = [f"{n}" * 200 for n in range(6)]
+    handle = engine.start("w", {"keys": keys})
+    assert handle.status == "pending"
+    assert engine.count_runs(tag=f"concurrency:{keys[5]}") == 1
+
+
+def test_round_robin_over_groups_of_six_long_keys(engine: Engine, django_capture_on_commit_callbacks: Any) -> None:
+    _keys_workflow(engine, 6, strategy=Strategy.GROUP_ROUND_ROBIN)
+    shared = "s" * 200
+
+    def keys(group: str) -> list[str]:
+        return [shared] + [f"{group}{n}" * 100 for n in range(5)]
+
+    first = engine.start("w", {"keys": keys("a")})
+    queued = [engine.start("w", {"keys": keys(g)}) for g in ("b", "c")]
+    assert first.status == "pending" and [h.status for h in queued] == ["queued", "queued"]
+    with django_capture_on_commit_callbacks(execute=True):
+        engine.cancel(first.run_id)  # hands the slot of the shared key to one group: its cursor is that group
+    assert sorted(h.refresh().status for h in queued) == ["pending", "queued"]
+    assert len(engine.store.rr_cursor(shared)) > 1024
+
+
+def test_the_longest_key_fits_its_columns() -> None:
+    from durable.concurrency import MAX_KEY_LENGTH, TAG_PREFIX
+
+    assert len(TAG_PREFIX) + MAX_KEY_LENGTH <= RunTag._meta.get_field("tag").max_length
+    assert MAX_KEY_LENGTH <= ConcurrencyLock._meta.get_field("key").max_length
+
+
+# -- async limit functions called where an event loop runs ----------------------------------------
+
+
+def test_async_limit_function_called_with_a_running_event_loop() -> None:
+    import asyncio
+
+    from durable.concurrency import resolve
+
+    async def plan_limit(key: str) -> int:
+        await asyncio.sleep(0)
+        return 7
+
+    async def main() -> tuple[int, str]:
+        quotas = resolve([Concurrency(key="k", limit=plan_limit)], {})
+        engine = Engine(InMemoryStore(), dispatch=lambda engine, run: None, registry=Registry())
+        engine.register("w", "1", _noop, concurrency=Concurrency(key="k", limit=plan_limit))
+        return quotas[0].limit, engine.start("w", {}).status
+
+    assert asyncio.run(main()) == (7, "pending")
