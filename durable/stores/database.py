@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from django.db import IntegrityError, connections, transaction
+from django.db import IntegrityError, InterfaceError, OperationalError, connections, transaction
 from django.db.models import F, Min, Q
 from django.db.models.functions import Coalesce
 from django.utils import timezone
@@ -27,6 +28,26 @@ _RECORD_FIELDS = (
     "attempt", "generation", "lease", "worker", "created_at", "updated_at", "started_at", "finished_at",
     "heartbeat_at", "dispatched_at", "queue", "waiting_for", "wake_at",
 )  # fmt: skip
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _reconnecting(method: _Method) -> _Method:
+    """Run an idempotent store call once more on a fresh connection when the first
+    try lost its connection (a database restart, ``pg_terminate_backend``, a network
+    blip). Not inside a caller's transaction: that one is lost anyway."""
+
+    @functools.wraps(method)
+    def call(self: DjangoStore, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except (OperationalError, InterfaceError):
+            if not self.recover():
+                raise
+            return method(self, *args, **kwargs)
+
+    return cast(_Method, call)
 
 
 def _models() -> Any:
@@ -49,6 +70,7 @@ class DjangoStore:
     def _runs(self) -> Any:
         return _models().WorkflowRun.objects.using(self.using)
 
+    @_reconnecting
     def get_run(self, run_id: str) -> RunRecord | None:
         row = self._runs().filter(run_id=run_id).select_related("parent").first()
         return None if row is None else to_record(row)
@@ -217,6 +239,7 @@ class DjangoStore:
         )
         return self.get_run(run_id) if claimed else None
 
+    @_reconnecting
     def heartbeat(self, run_id: str, lease: str) -> bool:
         return bool(
             self._runs()
@@ -224,6 +247,7 @@ class DjangoStore:
             .update(heartbeat_at=timezone.now())
         )
 
+    @_reconnecting
     def finish(
         self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None
     ) -> bool:
@@ -257,6 +281,7 @@ class DjangoStore:
         return done
 
     # -- journal -------------------------------------------------------------
+    @_reconnecting
     def load_steps(self, run_id: str) -> list[StepEntry]:
         rows = (
             _models()
@@ -293,6 +318,7 @@ class DjangoStore:
         )
         self._runs().filter(pk=run).update(heartbeat_at=timezone.now())
 
+    @_reconnecting
     def record_step(self, run_id: str, lease: str, step: StepEntry) -> bool:
         with transaction.atomic(using=self.using):
             run = self._owned_run(run_id, lease)
@@ -302,6 +328,7 @@ class DjangoStore:
         return True
 
     # -- waiting -----------------------------------------------------------------
+    @_reconnecting
     def suspend(self, run_id: str, lease: str, *, waiting_for: str, wake_at: datetime | None) -> bool:
         models = _models()
         with transaction.atomic(using=self.using):
@@ -417,7 +444,20 @@ class DjangoStore:
 
     def release_thread(self) -> None:
         """Close this thread's connection (called by helper threads when they end)."""
-        connections[self.using].close()
+        try:
+            connections[self.using].close()
+        except (OperationalError, InterfaceError):
+            pass  # a connection that broke is gone already
+
+    def recover(self) -> bool:
+        """Close this thread's connection if an error left it unusable, so that the
+        next query opens a fresh one. False inside a transaction (its owner must
+        roll back first)."""
+        connection = connections[self.using]
+        if connection.in_atomic_block:
+            return False
+        connection.close_if_unusable_or_obsolete()
+        return True
 
 
 def to_record(run: WorkflowRun) -> RunRecord:
