@@ -195,3 +195,44 @@ def test_a_caught_step_failure_is_caught_the_same_way_after_a_sleep(
     assert len(seen) == 2
     assert seen[0] == seen[1]
     assert seen[0][0] == caught_as.__name__
+
+
+class Unbuildable(Exception):
+    """Its constructor takes a keyword the journal cannot replay."""
+
+    def __init__(self, *, code: object) -> None:
+        super().__init__(f"refused: {code}")
+
+
+def test_a_failure_that_cannot_be_rebuilt_replays_as_a_step_failed_error_of_its_class(queued: Engine) -> None:
+    from durable.runtime.context import StepFailedError
+
+    class Local(Exception):
+        """Defined in a function: a replay cannot find it."""
+
+    seen: list[tuple[bool, bool, str]] = []
+
+    def body(ctx: Any, input: Any) -> Any:
+        for name, error in (("a", Unbuildable(code={1})), ("b", Local("local"))):
+            try:
+                ctx.step(name, _raise, error)
+            except Exception as exc:  # noqa: BLE001
+                seen.append((isinstance(exc, Unbuildable), isinstance(exc, StepFailedError), str(exc)))
+        ctx.sleep(3600)
+
+    queued.register("w", "1", body)
+    handle = queued.start("w", {})
+    queued.execute(handle.run_id)
+    assert seen == [(True, False, "refused: {1}"), (False, False, "local")]
+    queued.store.transition(handle.run_id, from_statuses=["suspended"], to="suspended", wake_at=timezone.now())
+    assert queued.executor.wake_due(handle.run_id)
+    queued.execute(handle.run_id)
+    assert seen[2:] == [
+        (True, True, "Step 'a' failed: refused: {1}"),  # except Unbuildable still catches it
+        (False, True, "Step 'b' failed: local"),
+    ]
+    assert handle.refresh().status == RunStatus.SUSPENDED
+
+
+def _raise(error: Exception) -> None:
+    raise error
