@@ -36,6 +36,9 @@ class StepFailedError(exceptions.DurableError):
 
     code = "step_failed"
 
+    step: str
+    error: dict[str, Any]
+
 
 class WorkflowContext:
     """Passed to a workflow body as ``ctx``.

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from django import db
 from django.utils import timezone
 
 from durable import exceptions
@@ -23,7 +24,7 @@ from durable.concurrency import Quota
 from durable.conf import settings
 from durable.runtime.context import WorkflowContext
 from durable.status import RunStatus
-from durable.stores.base import RunRecord
+from durable.stores.base import RunRecord, redispatch_cutoffs
 from durable.util import check_json, describe_error
 
 if TYPE_CHECKING:
@@ -97,8 +98,9 @@ class Executor:
                     logger.info("Run %s stopped: it was cancelled or taken over by another worker.", run_id)
                     return
                 except exceptions.Suspend as suspend:
-                    if self.store.suspend(run_id, lease, waiting_for=suspend.waiting_for, wake_at=suspend.wake_at):
-                        self._after(record, lambda run: self._suspended(run, suspend.wake_at))
+                    wake_at = suspend.wake_at
+                    if self.store.suspend(run_id, lease, waiting_for=suspend.waiting_for, wake_at=wake_at):
+                        self._after(record, lambda run: self._suspended(run, wake_at))
                         return
                     if lost.is_set() or not self._owns(run_id, lease):
                         # Cancelled (or taken over) between journaling the wait and parking.
@@ -114,11 +116,17 @@ class Executor:
 
     def _interrupted(self, record: RunRecord, lease: str, exc: BaseException) -> bool:
         """An infrastructure error ended the execution without a verdict: hand the run
-        back ``pending`` (this attempt not counted) so a redelivery resumes it from
-        its journal; if the database is still unreachable, the run stays ``running``
-        without heartbeats and the sweeper takes it over after ``STALE_AFTER``."""
+        back ``pending`` so a redelivery resumes it from its journal; if the database
+        is still unreachable, the run stays ``running`` without heartbeats and the
+        sweeper takes it over after ``STALE_AFTER``.
+
+        A lost or broken database connection does not count as an attempt. Any other
+        error of durable's own calls does, so one that repeats on every execution
+        ends the run ``dead`` after ``MAX_ATTEMPTS`` instead of looping forever."""
         self._recover()
-        released = self._release(record.run_id, lease, attempt=max(0, record.attempt - 1))
+        transient = isinstance(exc, (db.OperationalError, db.InterfaceError))
+        fields = {"attempt": max(0, record.attempt - 1)} if transient else {}
+        released = self._release(record.run_id, lease, **fields)
         if released:
             logger.warning(
                 "Run %s was interrupted by an infrastructure error and is delivered again: %s", record.run_id, exc
@@ -131,7 +139,7 @@ class Executor:
             return bool(
                 self.store.transition(
                     run_id, from_statuses=[RunStatus.RUNNING], to=RunStatus.PENDING, expect={"lease": lease},
-                    lease="", dispatched_at=timezone.now(), **fields,
+                    lease="", **fields,
                 )  # fmt: skip
             )
         except Exception as exc:
@@ -288,8 +296,11 @@ class Executor:
     # -- recovery ------------------------------------------------------------------------------
     def sweep(self) -> dict[str, list[str]]:
         now = timezone.now()
-        orphaned = self.store.orphaned_runs(now - timedelta(seconds=float(settings.STALE_AFTER)))
-        undelivered = self.store.undelivered_runs(now - timedelta(seconds=float(settings.REDISPATCH_AFTER)))
+        # A run is re-sent REDISPATCH_AFTER * 2**n after its n-th re-send: a backlog
+        # that workers are slow to take is not sent again on every sweep.
+        cutoffs = redispatch_cutoffs(now, float(settings.REDISPATCH_AFTER))
+        orphaned = self.store.orphaned_runs(now - timedelta(seconds=float(settings.STALE_AFTER)), cutoffs)
+        undelivered = self.store.undelivered_runs(cutoffs)
         runs = orphaned + undelivered
         if runs:
             self.store.mark_dispatched([r.run_id for r in runs])

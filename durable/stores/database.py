@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 _RECORD_FIELDS = (
     "run_id", "workflow", "version", "namespace", "status", "input", "output", "error",
     "attempt", "generation", "lease", "worker", "created_at", "updated_at", "started_at", "finished_at",
-    "heartbeat_at", "dispatched_at", "queue", "waiting_for", "wake_at",
+    "heartbeat_at", "dispatched_at", "redispatches", "queue", "waiting_for", "wake_at",
 )  # fmt: skip
 
 
@@ -217,6 +217,8 @@ class DjangoStore:
         **fields: Any,
     ) -> bool:
         qs = self._runs().filter(run_id=run_id, status__in=list(from_statuses), **(expect or {}))
+        if to == RunStatus.PENDING:  # a pending run's message is sent now: the sweeper waits from here
+            fields = {"dispatched_at": timezone.now(), "redispatches": 0, **fields}
         return self._set_status(qs, to, **fields)
 
     def claim(
@@ -236,6 +238,7 @@ class DjangoStore:
             attempt=F("attempt") + 1,
             heartbeat_at=now,
             started_at=Coalesce(F("started_at"), now),
+            redispatches=0,
         )
         return self.get_run(run_id) if claimed else None
 
@@ -270,6 +273,7 @@ class DjangoStore:
                 lease="",
                 finished_at=None,
                 dispatched_at=timezone.now(),
+                redispatches=0,
             )
             if done:
                 run = self._runs().get(run_id=run_id)
@@ -433,14 +437,17 @@ class DjangoStore:
         return found
 
     # -- recovery ------------------------------------------------------------
-    def orphaned_runs(self, heartbeat_before: datetime) -> list[RunRecord]:
-        return [to_record(run) for run in self._runs().orphaned(heartbeat_before).select_related("parent")[:1000]]
+    def orphaned_runs(self, heartbeat_before: datetime, dispatched_before: Sequence[datetime] = ()) -> list[RunRecord]:
+        qs = self._runs().orphaned(heartbeat_before).redispatch_due(dispatched_before, first_at_once=True)
+        return [to_record(run) for run in qs.select_related("parent")[:1000]]
 
-    def undelivered_runs(self, dispatched_before: datetime) -> list[RunRecord]:
+    def undelivered_runs(self, dispatched_before: Sequence[datetime]) -> list[RunRecord]:
         return [to_record(run) for run in self._runs().undelivered(dispatched_before).select_related("parent")[:1000]]
 
     def mark_dispatched(self, run_ids: Sequence[str]) -> None:
-        self._runs().filter(run_id__in=list(run_ids)).update(dispatched_at=timezone.now())
+        self._runs().filter(run_id__in=list(run_ids)).update(
+            dispatched_at=timezone.now(), redispatches=F("redispatches") + 1
+        )
 
     def release_thread(self) -> None:
         """Close this thread's connection (called by helper threads when they end)."""

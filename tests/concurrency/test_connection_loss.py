@@ -11,7 +11,7 @@ import pytest
 from django.db import connection, connections
 from django.utils import timezone
 
-from durable import DjangoStore, Engine, RunStatus
+from durable import DjangoStore, Engine
 from durable.runtime import Registry
 from durable.testing import wait_for
 from tests.unit.conftest import RecordingDispatcher

@@ -236,3 +236,97 @@ def test_a_failure_that_cannot_be_rebuilt_replays_as_a_step_failed_error_of_its_
 
 def _raise(error: Exception) -> None:
     raise error
+
+
+# -- 5: the sweeper re-sends with a growing delay ------------------------------------------
+def test_a_run_promoted_from_queued_is_not_sent_again_by_the_next_sweep(store: Any, settings: Any) -> None:
+    from durable import Concurrency, Strategy
+
+    sent: list[str] = []
+    engine = Engine(store, dispatch=lambda engine, run: sent.append(run.run_id), registry=Registry())
+    engine.register(
+        "w", "1", lambda ctx, input: None,
+        concurrency=Concurrency(key="k", limit=1, strategy=Strategy.GROUP_ROUND_ROBIN),
+    )  # fmt: skip
+    holder = engine.start("w", {})
+    waiter = engine.start("w", {})
+    assert waiter.status == RunStatus.QUEUED
+    long_ago = timezone.now() - timedelta(hours=1)  # it waited in the queue for an hour
+    store.transition(waiter.run_id, from_statuses=["queued"], to="queued", dispatched_at=long_ago)
+    holder.cancel()  # hands its slot to the queued run (or the sweep does), which is sent then
+    engine.sweep()
+    assert waiter.refresh().status == RunStatus.PENDING
+    assert sent.count(waiter.run_id) == 1
+    assert engine.sweep()["undelivered"] == []
+    assert sent.count(waiter.run_id) == 1
+
+
+def test_the_sweeper_resends_a_pending_run_with_a_growing_delay(store: Any, settings: Any) -> None:
+    after = float(settings.DURABLE["REDISPATCH_AFTER"])
+    sent: list[str] = []
+    engine = Engine(store, dispatch=lambda engine, run: sent.append(run.run_id), registry=Registry())
+    engine.register("w", "1", lambda ctx, input: None)
+    handle = engine.start("w", {})
+    sent.clear()
+
+    def last_sent(seconds_ago: float) -> None:
+        at = timezone.now() - timedelta(seconds=seconds_ago)
+        store.transition(handle.run_id, from_statuses=["pending"], to="pending", dispatched_at=at,
+                         redispatches=handle.refresh().record.redispatches)  # fmt: skip
+
+    last_sent(after * 1.5)
+    assert engine.sweep()["undelivered"] == [handle.run_id]  # 1st re-send after REDISPATCH_AFTER
+    assert handle.refresh().record.redispatches == 1
+    last_sent(after * 1.5)
+    assert engine.sweep()["undelivered"] == []  # the 2nd waits twice as long
+    last_sent(after * 2.5)
+    assert engine.sweep()["undelivered"] == [handle.run_id]
+    last_sent(after * 3.5)
+    assert engine.sweep()["undelivered"] == []  # the 3rd, four times as long
+    last_sent(after * 4.5)
+    assert engine.sweep()["undelivered"] == [handle.run_id]
+    assert sent == [handle.run_id] * 3
+    engine.execute(handle.run_id)
+    assert handle.refresh().status == RunStatus.COMPLETED
+
+
+def test_an_orphaned_run_is_not_resent_on_every_sweep(store: Any, settings: Any) -> None:
+    sent: list[str] = []
+    engine = Engine(store, dispatch=lambda engine, run: sent.append(run.run_id), registry=Registry())
+    engine.register("w", "1", lambda ctx, input: None)
+    handle = engine.start("w", {})
+    sent.clear()
+    past = timezone.now() - timedelta(hours=1)
+    store.transition(handle.run_id, from_statuses=["pending"], to="pending", dispatched_at=past)
+    store.claim(handle.run_id, lease="gone", worker="w1", stale_before=timezone.now())
+    store.transition(handle.run_id, from_statuses=["running"], to="running", heartbeat_at=past)
+    assert engine.sweep()["orphaned"] == [handle.run_id]  # found orphaned: re-sent at once
+    assert engine.sweep()["orphaned"] == []  # its message was just sent: no second one yet
+    assert sent == [handle.run_id]
+    after = float(settings.DURABLE["REDISPATCH_AFTER"])
+    at = timezone.now() - timedelta(seconds=after * 2.5)  # the 2nd re-send waits 2 * REDISPATCH_AFTER
+    store.transition(handle.run_id, from_statuses=["running"], to="running", dispatched_at=at)
+    assert engine.sweep()["orphaned"] == [handle.run_id]
+    assert sent == [handle.run_id] * 2
+
+
+def test_a_store_error_that_repeats_on_every_execution_ends_the_run_dead(
+    queued: Engine, store: Any, settings: Any
+) -> None:
+    """Not a dropped connection (a bug, a value the database refuses): each
+    interrupted execution counts, so it cannot be redelivered forever."""
+    settings.DURABLE = {**settings.DURABLE, "MAX_ATTEMPTS": 2}
+    queued.register("w", "1", lambda ctx, input: ctx.step("a", lambda: 1))
+    handle = queued.start("w", {})
+    real = store.record_step
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the database refuses this value")
+
+    store.record_step = refuse
+    assert queued.executor.execute(handle.run_id) is True
+    assert queued.executor.execute(handle.run_id) is True
+    assert handle.refresh().status == RunStatus.PENDING and handle.record.attempt == 2
+    assert queued.executor.execute(handle.run_id) is False
+    assert handle.refresh().status == RunStatus.DEAD
+    store.record_step = real
