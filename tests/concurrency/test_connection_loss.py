@@ -11,7 +11,7 @@ import pytest
 from django.db import connection, connections
 from django.utils import timezone
 
-from durable import DjangoStore, Engine
+from durable import DjangoStore, Engine, RunStatus
 from durable.runtime import Registry
 from durable.testing import wait_for
 from tests.unit.conftest import RecordingDispatcher
@@ -28,6 +28,17 @@ def terminate_other_backends() -> int:
             "WHERE datname = current_database() AND pid <> pg_backend_pid()"
         )
         return int(cursor.fetchone()[0])
+
+
+def allow_connections(allow: bool) -> None:
+    """Open or close the test database to new connections (from the maintenance
+    database: PostgreSQL will not close the database one is connected to)."""
+    import psycopg
+
+    db = connection.settings_dict
+    with psycopg.connect(host=db["HOST"], port=db["PORT"] or 5432, user=db["USER"], password=db["PASSWORD"] or None,
+                         dbname="postgres", autocommit=True) as admin:  # fmt: skip
+        admin.execute(f'ALTER DATABASE "{db["NAME"]}" ALLOW_CONNECTIONS {"true" if allow else "false"}')
 
 
 def test_heartbeats_survive_a_terminated_connection(settings: Any) -> None:
@@ -76,3 +87,56 @@ def test_heartbeats_survive_a_terminated_connection(settings: Any) -> None:
     assert errors == []
     assert handle.result(timeout=10) == "done"
     assert calls == ["slow"]  # its journal write reconnected too: the step ran once
+
+
+def test_a_database_outage_during_a_step_hands_the_run_to_the_sweeper(settings: Any) -> None:
+    """The database refuses connections while a step runs, so the journal write fails
+    even on a fresh connection: the execution ends without a verdict, the run stays
+    ``running`` without heartbeats, and once the database is back the sweeper takes
+    it over. Finished steps are not run again; the interrupted one is (at least once)."""
+    engine = Engine(DjangoStore(), dispatch=RecordingDispatcher(), registry=Registry())
+    in_step, release = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    def slow() -> str:
+        calls.append("slow")
+        if len(calls) == 2:  # the first execution of "slow"
+            in_step.set()
+            release.wait(60)
+        return "done"
+
+    def body(ctx: Any, input: Any) -> Any:
+        ctx.step("first", lambda: calls.append("first") or 1)
+        return ctx.step("slow", slow)
+
+    engine.register("w", "1", body)
+    handle = engine.start("w", {})
+    returned: list[bool] = []
+
+    def worker() -> None:
+        try:
+            returned.append(engine.executor.execute(handle.run_id))
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        assert in_step.wait(30)
+        allow_connections(False)
+        terminate_other_backends()
+        release.set()
+        thread.join(60)
+        assert returned == [False]  # not handed back: the database could not be reached
+    finally:
+        release.set()
+        allow_connections(True)
+        thread.join(60)
+    record = handle.refresh().record
+    assert (record.status, record.error) == (RunStatus.RUNNING, None)
+    assert engine.store.load_steps(handle.run_id)[0].name == "first"
+
+    wait_for(lambda: handle.run_id in engine.sweep()["orphaned"], timeout=30, what="the sweeper to take the run over")
+    assert engine.executor.execute(handle.run_id) is False
+    assert handle.result(timeout=10) == "done"
+    assert calls == ["first", "slow", "slow"]

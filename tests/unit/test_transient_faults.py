@@ -330,3 +330,21 @@ def test_a_store_error_that_repeats_on_every_execution_ends_the_run_dead(
     assert queued.executor.execute(handle.run_id) is False
     assert handle.refresh().status == RunStatus.DEAD
     store.record_step = real
+
+
+@pytest.mark.parametrize("store", ["django"], indirect=True)
+def test_the_celery_task_asks_celery_to_redeliver_an_interrupted_run(store: Any, settings: Any) -> None:
+    from durable import engine as default_engine
+    from durable import tasks
+
+    assert [tasks.redelivery_delay(n) for n in range(8)] == [0.2, 0.4, 0.8, 1.6, 2.0, 2.0, 2.0, 2.0]
+    handle = default_engine.start("test.add", {"a": 1, "b": 2, "key": "redeliver"})
+    failures = break_store(default_engine.store, "record_step", times=1)
+    try:
+        result = tasks.execute_run.apply(args=(handle.run_id,))  # eager: a retry runs at once
+    finally:
+        del default_engine.store.record_step  # the instance attribute break_store set
+    assert failures == [1]
+    assert result.successful()
+    assert handle.result(timeout=1) == {"total": 3}
+    assert handle.record.attempt == 1
