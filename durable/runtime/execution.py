@@ -308,6 +308,9 @@ class Executor:
                 self.engine.dispatch(self.engine, run)
             logger.warning("Sweep re-dispatched %d orphaned and %d undelivered runs.", len(orphaned), len(undelivered))
         woken = [r.run_id for r in self.store.due_runs(now) if self.resume(r, due=True)]
+        waiting_parents = getattr(self.store, "waiting_parents", None)
+        if waiting_parents is not None:  # a child ended, but the wake-up of its parent was lost
+            woken += [r.run_id for r in waiting_parents() if self.resume(r, waiting_for=r.waiting_for)]
         promoted = [
             run_id
             for namespace, keys in self.store.keys_with_queued().items()

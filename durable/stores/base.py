@@ -140,6 +140,10 @@ class Store(Protocol):
         """Suspended runs whose ``wake_at`` has come."""
         ...
 
+    def waiting_parents(self) -> list[RunRecord]:
+        """Suspended runs waiting for a child that has ended (its wake-up was lost)."""
+        ...
+
     def runs_on_queues(self, statuses: Sequence[str]) -> list[RunRecord]:
         """Runs in ``statuses`` whose messages go to a queue of their own (remote workflows)."""
         ...

@@ -11,8 +11,8 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from django.db import IntegrityError, InterfaceError, OperationalError, connections, transaction
-from django.db.models import F, Min, Q
-from django.db.models.functions import Coalesce
+from django.db.models import CharField, Exists, F, Min, OuterRef, Q, Value
+from django.db.models.functions import Coalesce, Concat
 from django.utils import timezone
 
 from durable import exceptions
@@ -391,6 +391,16 @@ class DjangoStore:
     def due_runs(self, now: datetime) -> list[RunRecord]:
         qs = self._runs().filter(status=RunStatus.SUSPENDED, wake_at__lte=now).select_related("parent")
         return [to_record(run) for run in qs[:1000]]
+
+    def waiting_parents(self) -> list[RunRecord]:
+        ended_child = (
+            self._runs()
+            .filter(parent=OuterRef("pk"), status__in=TERMINAL_STATUSES)
+            .annotate(waited=Concat(Value("child:"), "run_id", output_field=CharField()))
+            .filter(waited=OuterRef("waiting_for"))
+        )
+        qs = self._runs().filter(status=RunStatus.SUSPENDED, waiting_for__startswith="child:")
+        return [to_record(run) for run in qs.filter(Exists(ended_child)).select_related("parent")[:1000]]
 
     def runs_on_queues(self, statuses: Sequence[str]) -> list[RunRecord]:
         qs = self._runs().filter(status__in=list(statuses)).exclude(queue="").select_related("parent")

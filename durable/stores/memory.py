@@ -266,6 +266,16 @@ class InMemoryStore:
                 if r.status == RunStatus.SUSPENDED and r.wake_at is not None and r.wake_at <= now
             ]
 
+    def waiting_parents(self) -> list[RunRecord]:
+        with self._lock:
+            found = []
+            for run in self._runs.values():
+                kind, _, target = run.waiting_for.partition(":")
+                child = self._runs.get(target) if run.status == RunStatus.SUSPENDED and kind == "child" else None
+                if child is not None and child.status in TERMINAL_STATUSES:
+                    found.append(copy.deepcopy(run))
+            return found
+
     def runs_on_queues(self, statuses: Sequence[str]) -> list[RunRecord]:
         with self._lock:
             return [copy.deepcopy(r) for r in self._runs.values() if r.status in statuses and r.queue]

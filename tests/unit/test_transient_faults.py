@@ -348,3 +348,23 @@ def test_the_celery_task_asks_celery_to_redeliver_an_interrupted_run(store: Any,
     assert result.successful()
     assert handle.result(timeout=1) == {"total": 3}
     assert handle.record.attempt == 1
+
+
+def test_the_sweeper_wakes_a_parent_whose_child_ended_without_waking_it(
+    queued: Engine, store: Any, dispatcher: RecordingDispatcher
+) -> None:
+    queued.register("child", "1", lambda ctx, input: 5)
+    queued.register("parent", "1", lambda ctx, input: {"child": ctx.child("child", {})})
+    parent = queued.start("parent", {})
+    queued.execute(parent.run_id)
+    assert parent.refresh().status == RunStatus.SUSPENDED
+    [child] = queued.list_runs(workflow="child")
+    # The child's worker finishes it, then loses the database before waking the parent.
+    assert store.claim(child.run_id, lease="l", worker="w", stale_before=timezone.now())
+    assert store.finish(child.run_id, "l", status=RunStatus.COMPLETED, output=5)
+    assert parent.refresh().status == RunStatus.SUSPENDED
+    assert queued.sweep()["woken"] == [parent.run_id]
+    assert parent.refresh().status == RunStatus.PENDING
+    queued.execute(parent.run_id)
+    assert parent.result(timeout=1) == {"child": 5}
+    assert queued.sweep()["woken"] == []
