@@ -127,10 +127,11 @@ class Executor:
         transient = isinstance(exc, (db.OperationalError, db.InterfaceError))
         fields = {"attempt": max(0, record.attempt - 1)} if transient else {}
         released = self._release(record.run_id, lease, **fields)
-        if released:
-            logger.warning(
-                "Run %s was interrupted by an infrastructure error and is delivered again: %s", record.run_id, exc
-            )
+        logger.warning(
+            "Run %s was interrupted by an error of durable's own calls%s: %s",
+            record.run_id, " and is delivered again" if released else "", exc,
+            exc_info=None if transient else exc,  # not a lost connection: show where it came from
+        )  # fmt: skip
         return released
 
     def _release(self, run_id: str, lease: str, **fields: Any) -> bool:
