@@ -30,7 +30,8 @@ class Defaults:
     #: considered orphaned (its worker died) and is taken over by the sweeper.
     STALE_AFTER: float = 30.0
     #: A pending run whose Celery message was sent this many seconds ago and
-    #: that no worker picked up is sent again by the sweeper.
+    #: that no worker picked up is sent again by the sweeper; each further
+    #: re-send of the same run waits twice as long (at most 64 times this).
     REDISPATCH_AFTER: float = 60.0
     #: Seconds between two sweeps (used by ``durable.tasks.beat_schedule()``).
     SWEEP_INTERVAL: float = 15.0

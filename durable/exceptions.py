@@ -161,3 +161,14 @@ class RunCancelled(BaseException):
 
     A ``BaseException`` so that a workflow's ``except Exception`` does not swallow it.
     """
+
+
+class StoreUnavailable(BaseException):
+    """Internal: one of durable's own store calls failed (the database went away, its
+    connection dropped); the original error is the ``__cause__``.
+
+    Raised by the workflow context; the executor catches it and ends the execution
+    without a verdict, so the run is delivered again. A ``BaseException`` so that a
+    workflow's ``except Exception`` never mistakes durable's infrastructure for its own
+    failure.
+    """

@@ -37,7 +37,12 @@ class WorkflowRun(models.Model):
     lease = models.CharField(max_length=32, blank=True, default="")
     worker = models.CharField(max_length=255, blank=True, default="")
     heartbeat_at = models.DateTimeField(null=True, blank=True)
+    #: When the run's last message was sent to the workers.
     dispatched_at = models.DateTimeField(null=True, blank=True)
+    #: How many times the sweeper re-sent the run since it was last sent for a
+    #: reason of its own (a start, a wake-up, a hand-off, a retry) or claimed:
+    #: the next re-send waits ``REDISPATCH_AFTER * 2**redispatches`` (capped).
+    redispatches = models.PositiveIntegerField(default=0, db_default=0)
     created_at = models.DateTimeField(db_default=Now())
     updated_at = models.DateTimeField(db_default=Now())
     started_at = models.DateTimeField(null=True, blank=True)

@@ -11,7 +11,7 @@ import logging
 from datetime import datetime
 from typing import Any
 
-from celery import shared_task
+from celery import Task, shared_task
 from celery.signals import worker_ready
 from kombu.exceptions import OperationalError
 
@@ -28,11 +28,21 @@ FIRE_SCHEDULE_TASK = "durable.fire_schedule"
 _TASK_OPTIONS: dict[str, Any] = {"acks_late": True, "reject_on_worker_lost": True, "serializer": "json", "ignore_result": True}
 
 
-@shared_task(name=EXECUTE_TASK, **_TASK_OPTIONS)
-def execute_run(run_id: str) -> None:
+@shared_task(name=EXECUTE_TASK, bind=True, max_retries=None, **_TASK_OPTIONS)
+def execute_run(self: Task, run_id: str) -> None:
+    """Execute the run; when an infrastructure error interrupted it (the run was
+    handed back ``pending``), deliver it again after a delay growing with each such
+    retry (``HEARTBEAT_INTERVAL * 2**n``, at most ``STALE_AFTER``). If that message
+    cannot be sent, the sweeper re-sends the pending run."""
     from durable import engine
 
-    engine.execute(run_id)
+    if engine.executor.execute(run_id):
+        raise self.retry(countdown=redelivery_delay(self.request.retries))
+
+
+def redelivery_delay(retries: int) -> float:
+    """Seconds before an interrupted run's next delivery (its ``retries``-th)."""
+    return min(float(settings.STALE_AFTER), float(settings.HEARTBEAT_INTERVAL) * 2 ** min(retries, 16))
 
 
 @shared_task(name=WAKE_TASK, **_TASK_OPTIONS)

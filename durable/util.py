@@ -30,5 +30,17 @@ def check_json(value: Any, *, what: str) -> Any:
     return json.loads(text)
 
 
-def describe_error(exc: BaseException) -> dict[str, str]:
-    return {"type": f"{type(exc).__module__}.{type(exc).__qualname__}", "message": str(exc)}
+def describe_error(exc: BaseException, *, with_args: bool = False) -> dict[str, Any]:
+    """``{"type": "<module>.<qualname>", "message": ...}`` of an exception, storable
+    as JSON. ``with_args`` adds ``"args"`` when the exception's arguments are JSON
+    values (a replay rebuilds the exception from them, see ``WorkflowContext.step``)."""
+    error: dict[str, Any] = {
+        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+        "message": str(exc).replace("\x00", "\\x00"),  # PostgreSQL's jsonb cannot hold NUL
+    }
+    if with_args:
+        try:
+            error["args"] = check_json(list(exc.args), what="the arguments of an exception")
+        except exceptions.InvalidStartError:
+            pass
+    return error

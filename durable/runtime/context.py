@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Union
 
@@ -24,9 +27,17 @@ Backoff = Union[float, Callable[[int], float]]
 
 
 class StepFailedError(exceptions.DurableError):
-    """A step failed after its retries; on replay the recorded failure is raised again."""
+    """A step failed after its retries; on replay the recorded failure is raised again.
+
+    A replay raises the step's original exception type when it can (see
+    ``WorkflowContext.step``); otherwise a ``StepFailedError``, which is also an
+    instance of the original class when that class is loaded in the worker.
+    """
 
     code = "step_failed"
+
+    step: str
+    error: dict[str, Any]
 
 
 class WorkflowContext:
@@ -37,10 +48,19 @@ class WorkflowContext:
     called again. Step names must follow the same order on every execution.
     """
 
-    def __init__(self, engine: Engine, run: RunRecord, lease: str, journal: list[StepEntry]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        run: RunRecord,
+        lease: str,
+        journal: list[StepEntry],
+        lost: threading.Event | None = None,
+    ) -> None:
         self.engine = engine
         self.run = run
         self._lease = lease
+        #: Set by the heartbeat when the run no longer belongs to this execution.
+        self._lost = lost
         self._journal = {step.position: step for step in journal}
         self._position = 0
 
@@ -66,6 +86,13 @@ class WorkflowContext:
         ``retries`` more attempts are made after an exception (``FatalError`` is
         never retried), waiting ``backoff * 2**(attempt-1)`` seconds (or
         ``backoff(attempt)`` when it is a function) in between.
+
+        The exception of the last attempt propagates to the body. A replay raises
+        it again from the journal: the same class rebuilt from its recorded
+        arguments when the class is loaded in the worker and the arguments are
+        JSON values, else a ``StepFailedError`` that is also an instance of that
+        class (so ``except ThatClass`` catches it the same way), else a plain
+        ``StepFailedError``.
         """
         if not isinstance(retries, int) or retries < 0:
             raise ValueError(f"retries must be a non-negative integer, got {retries!r}")
@@ -73,11 +100,9 @@ class WorkflowContext:
         if recorded is not None:
             if recorded.outcome == "completed":
                 return recorded.output
-            raise StepFailedError(
-                f"Step {name!r} failed: {recorded.error.get('message', '')}", step=name, error=recorded.error
-            )
+            raise _recorded_failure(name, recorded.error)
 
-        self.engine.ensure_running(self.run_id, self._lease)
+        self._ensure_running()
         started = timezone.now()
         attempt = 0
         while True:
@@ -90,14 +115,17 @@ class WorkflowContext:
             except Exception as exc:
                 fatal = isinstance(exc, exceptions.FatalError) or isinstance(exc, exceptions.InvalidStartError)
                 if fatal or attempt > retries:
-                    error = describe_error(exc)
+                    error = describe_error(exc, with_args=True)
                     self._record(StepEntry(position, name, "failed", error=error, attempts=attempt, started_at=started))
                     raise
                 delay = backoff(attempt) if callable(backoff) else float(backoff) * 2 ** (attempt - 1)
                 logger.info("Step %r of run %s failed (attempt %d), retrying in %.2fs: %s",
                             name, self.run_id, attempt, delay, exc)  # fmt: skip
                 time.sleep(max(0.0, delay))
-                self.engine.ensure_running(self.run_id, self._lease)
+                recover = getattr(self.engine.store, "recover", None)
+                if recover is not None:
+                    recover()  # a step that lost its database connection retries on a fresh one
+                self._ensure_running()
                 continue
             self._record(StepEntry(position, name, "completed", output=output, attempts=attempt, started_at=started))
             return output
@@ -151,12 +179,14 @@ class WorkflowContext:
             return recorded.output["payload"]
         if recorded is not None and recorded.outcome == "failed":
             raise exceptions.SignalTimeout(recorded.error["message"], signal=name)
-        found, payload = self.engine.store.consume_signal(
-            self.run_id, self._lease, name, StepEntry(position, step_name, "completed")
-        )
+        self._check_lease()
+        with _store_call():
+            found, payload = self.engine.store.consume_signal(
+                self.run_id, self._lease, name, StepEntry(position, step_name, "completed")
+            )
         if found:
             return payload
-        self.engine.ensure_running(self.run_id, self._lease)
+        self._ensure_running()
         deadline = None
         if timeout is not None:
             deadline = self._deadline(position, recorded, step_name, lambda: timezone.now() + timedelta(seconds=timeout))
@@ -193,7 +223,8 @@ class WorkflowContext:
         else:
             child_id = self._start_child(name, input, run_id, concurrency, position, step_name).run_id
             self._record(StepEntry(position, step_name, "waiting", output={"run_id": child_id}))
-        child = self.engine.store.get_run(child_id)
+        with _store_call():
+            child = self.engine.store.get_run(child_id)
         assert child is not None
         if child.status in TERMINAL_STATUSES:
             if child.status == RunStatus.COMPLETED:
@@ -217,7 +248,8 @@ class WorkflowContext:
         step_name = f"durable.start_child:{name}"
         position, recorded = self._next(step_name)
         if recorded is not None and recorded.outcome == "completed":
-            return self.engine.in_namespace(self.run.namespace).get_run(recorded.output["run_id"])
+            with _store_call():
+                return self.engine.in_namespace(self.run.namespace).get_run(recorded.output["run_id"])
         if recorded is not None and recorded.outcome == "failed":
             raise _child_error(recorded.error)
         handle = self._start_child(name, input, run_id, concurrency, position, step_name)
@@ -227,12 +259,13 @@ class WorkflowContext:
     def _start_child(
         self, name: str, input: Any, run_id: str | None, concurrency: Any, position: int, step_name: str
     ) -> RunHandle:
-        self.engine.ensure_running(self.run_id, self._lease)
+        self._ensure_running()
         child_id = run_id or f"{self.run_id}:{position}"
         try:
-            handle = self.engine.in_namespace(self.run.namespace).start(
-                name, input, run_id=child_id, concurrency=concurrency, parent_run_id=self.run_id
-            )
+            with _store_call():
+                handle = self.engine.in_namespace(self.run.namespace).start(
+                    name, input, run_id=child_id, concurrency=concurrency, parent_run_id=self.run_id
+                )
         except exceptions.ConcurrencyLimitError as exc:
             error = {
                 "type": "durable.exceptions.ChildWorkflowError",
@@ -280,9 +313,98 @@ class WorkflowContext:
         return until
 
     def _record(self, entry: StepEntry) -> None:
-        if not self.engine.store.record_step(self.run_id, self._lease, entry):
+        self._check_lease()
+        with _store_call():
+            recorded = self.engine.store.record_step(self.run_id, self._lease, entry)
+        if not recorded:
             # Cancelled (or taken over after we were presumed dead): stop here.
             raise exceptions.RunCancelled(self.run_id)
+
+    def _check_lease(self) -> None:
+        """Stop at this step boundary if the heartbeat found the run taken from us."""
+        if self._lost is not None and self._lost.is_set():
+            raise exceptions.RunCancelled(self.run_id)
+
+    def _ensure_running(self) -> None:
+        self._check_lease()
+        with _store_call():
+            self.engine.ensure_running(self.run_id, self._lease)
+
+
+@contextmanager
+def _store_call() -> Iterator[None]:
+    """Around durable's own store calls from the body: their errors (a dropped
+    connection, a database restart) are not the workflow's, so they leave as
+    ``StoreUnavailable``, which the body's ``except Exception`` does not catch.
+    Durable's own refusals (``DurableError``: a full quota, bad child input) pass."""
+    try:
+        yield
+    except exceptions.DurableError:
+        raise
+    except Exception as exc:
+        raise exceptions.StoreUnavailable(describe_error(exc)["message"]) from exc
+
+
+def _recorded_failure(name: str, error: dict[str, Any]) -> Exception:
+    """What a replay raises for a step whose failure is journaled (see ``WorkflowContext.step``).
+
+    No pickle and no import: the class is looked up only among modules this process
+    has loaded already, and must be an ``Exception``.
+    """
+    message = f"Step {name!r} failed: {error.get('message', '')}"
+    cls = _loaded_exception_class(str(error.get("type", "")))
+    if cls is not None:
+        args = error.get("args")
+        if isinstance(args, list):
+            try:
+                rebuilt = cls(*args)
+            except Exception:  # its constructor wants something else: wrap instead
+                rebuilt = None
+            if type(rebuilt) is cls and str(rebuilt) == error.get("message"):
+                return rebuilt
+        wrapper = _failure_class(cls)
+        if wrapper is not None:
+            failure = Exception.__new__(wrapper)  # not cls.__init__: its arguments are unknown
+            failure.args = (message,)
+            failure.step, failure.error = name, error
+            failure.fields = {"step": name, "error": error}
+            return failure
+    return StepFailedError(message, step=name, error=error)
+
+
+def _loaded_exception_class(path: str) -> type[Exception] | None:
+    """The ``Exception`` subclass named ``<module>.<qualname>`` if its module is loaded."""
+    parts = path.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        module = sys.modules.get(".".join(parts[:split]))
+        if module is None:
+            continue
+        found: Any = module
+        for attr in parts[split:]:
+            found = getattr(found, attr, None)
+        if isinstance(found, type) and issubclass(found, Exception):
+            return found
+        return None
+    return None
+
+
+_failure_classes: dict[type[Exception], type[StepFailedError] | None] = {}
+_failure_classes_lock = threading.Lock()
+
+
+def _failure_class(cls: type[Exception]) -> type[StepFailedError] | None:
+    """A ``StepFailedError`` that is also a ``cls`` (one class per ``cls``), or None
+    when the two cannot be combined (built-in exceptions of another memory layout)."""
+    with _failure_classes_lock:
+        if cls not in _failure_classes:
+            try:
+                made: type[StepFailedError] | None = type(
+                    f"StepFailedError[{cls.__name__}]", (StepFailedError, cls), {"__module__": __name__}
+                )
+            except TypeError:
+                made = None
+            _failure_classes[cls] = made
+        return _failure_classes[cls]
 
 
 def _workflow_name(workflow: Any) -> str:

@@ -11,11 +11,12 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
+from django import db
 from django.utils import timezone
 
 from durable import exceptions
@@ -23,7 +24,7 @@ from durable.concurrency import Quota
 from durable.conf import settings
 from durable.runtime.context import WorkflowContext
 from durable.status import RunStatus
-from durable.stores.base import RunRecord
+from durable.stores.base import RunRecord, redispatch_cutoffs
 from durable.util import check_json, describe_error
 
 if TYPE_CHECKING:
@@ -41,13 +42,37 @@ class Executor:
         return self.engine.store
 
     # -- one execution ---------------------------------------------------------------------
-    def execute(self, run_id: str) -> None:
+    def execute(self, run_id: str) -> bool:
+        """Claim the run and execute (or resume) it.
+
+        Returns True when an infrastructure error (the database or its connection
+        failed in one of durable's own calls) interrupted the execution before a
+        verdict: the run is handed back ``pending`` where the database allows it,
+        and the caller should deliver it again after a delay (else the sweeper
+        does). Only the workflow's own exceptions fail a run.
+        """
         lease = uuid.uuid4().hex
         stale_before = timezone.now() - timedelta(seconds=float(settings.STALE_AFTER))
-        record = self.store.claim(run_id, lease=lease, worker=_worker_name(), stale_before=stale_before)
+        try:
+            record = self.store.claim(run_id, lease=lease, worker=_worker_name(), stale_before=stale_before)
+        except Exception as exc:
+            self._recover()
+            logger.warning("Run %s could not be claimed, it is delivered again later: %s", run_id, exc)
+            self._release(run_id, lease)  # in case the claim committed before the error
+            return True
         if record is None:
             logger.debug("Run %s is not pending (or is owned by a live worker); nothing to do.", run_id)
-            return
+            return False
+        try:
+            self._execute(record, lease)
+        except exceptions.StoreUnavailable as exc:
+            return self._interrupted(record, lease, exc.__cause__ or exc)
+        except Exception as exc:  # durable's own calls here (journal, suspend, finish)
+            return self._interrupted(record, lease, exc)
+        return False
+
+    def _execute(self, record: RunRecord, lease: str) -> None:
+        run_id = record.run_id
         if record.attempt > int(settings.MAX_ATTEMPTS):
             message = f"Gave up after {record.attempt - 1} attempts: the worker kept dying."
             self.finish(record, lease, RunStatus.DEAD, error={"type": "durable.dead", "message": message})
@@ -63,30 +88,95 @@ class Executor:
         except exceptions.UnknownWorkflowError as exc:
             self.finish(record, lease, RunStatus.FAILED, error=describe_error(exc))
             return
-        with self._heartbeat(run_id, lease):
+        with self._heartbeat(run_id, lease) as lost:
             while True:
-                ctx = WorkflowContext(self.engine, record, lease, self.store.load_steps(run_id))
+                ctx = WorkflowContext(self.engine, record, lease, self.store.load_steps(run_id), lost)
                 try:
                     output = definition.fn(ctx, record.input)
                     output = check_json(output, what=f"the output of workflow {record.workflow!r}")
                 except exceptions.RunCancelled:
-                    logger.info("Run %s stopped: it was cancelled.", run_id)
+                    logger.info("Run %s stopped: it was cancelled or taken over by another worker.", run_id)
                     return
                 except exceptions.Suspend as suspend:
-                    if self.store.suspend(run_id, lease, waiting_for=suspend.waiting_for, wake_at=suspend.wake_at):
-                        self._suspended(record, suspend.wake_at)
+                    wake_at = suspend.wake_at
+                    if self.store.suspend(run_id, lease, waiting_for=suspend.waiting_for, wake_at=wake_at):
+                        self._after(record, lambda run: self._suspended(run, wake_at))
+                        return
+                    if lost.is_set() or not self._owns(run_id, lease):
+                        # Cancelled (or taken over) between journaling the wait and parking.
+                        logger.info("Run %s stopped before parking: it is no longer this worker's.", run_id)
                         return
                     continue  # what it waits for is already there: replay at once
-                except Exception as exc:
+                except Exception as exc:  # the workflow's own code failed
                     logger.info("Run %s failed: %s", run_id, exc)
                     self.finish(record, lease, RunStatus.FAILED, error=describe_error(exc))
                     return
                 break
         self.finish(record, lease, RunStatus.COMPLETED, output=output)
 
+    def _interrupted(self, record: RunRecord, lease: str, exc: BaseException) -> bool:
+        """An infrastructure error ended the execution without a verdict: hand the run
+        back ``pending`` so a redelivery resumes it from its journal; if the database
+        is still unreachable, the run stays ``running`` without heartbeats and the
+        sweeper takes it over after ``STALE_AFTER``.
+
+        A lost or broken database connection does not count as an attempt. Any other
+        error of durable's own calls does, so one that repeats on every execution
+        ends the run ``dead`` after ``MAX_ATTEMPTS`` instead of looping forever."""
+        self._recover()
+        transient = isinstance(exc, (db.OperationalError, db.InterfaceError))
+        fields = {"attempt": max(0, record.attempt - 1)} if transient else {}
+        released = self._release(record.run_id, lease, **fields)
+        logger.warning(
+            "Run %s was interrupted by an error of durable's own calls%s: %s",
+            record.run_id, " and is delivered again" if released else "", exc,
+            exc_info=None if transient else exc,  # not a lost connection: show where it came from
+        )  # fmt: skip
+        return released
+
+    def _release(self, run_id: str, lease: str, **fields: Any) -> bool:
+        """Hand a run this execution holds back ``pending`` (compare-and-set on the lease)."""
+        try:
+            return bool(
+                self.store.transition(
+                    run_id, from_statuses=[RunStatus.RUNNING], to=RunStatus.PENDING, expect={"lease": lease},
+                    lease="", **fields,
+                )  # fmt: skip
+            )
+        except Exception as exc:
+            self._recover()
+            logger.warning(
+                "Run %s could not be handed back after an infrastructure error (%s); if it is running, "
+                "the sweeper takes it over after STALE_AFTER.", run_id, exc,
+            )  # fmt: skip
+            return False
+
+    def _recover(self) -> None:
+        """Let the store drop a connection an error left unusable (the next call reconnects)."""
+        recover = getattr(self.store, "recover", None)
+        if recover is not None:
+            try:
+                recover()
+            except Exception:  # closing a dead connection may fail too; the next call reconnects
+                logger.debug("Could not close the store's connection", exc_info=True)
+
+    def _owns(self, run_id: str, lease: str) -> bool:
+        record = self.store.get_run(run_id)
+        return record is not None and record.status == RunStatus.RUNNING and record.lease == lease
+
     def finish(self, run: RunRecord, lease: str, status: str, *, output: Any = None, error: Any = None) -> None:
         if self.store.finish(run.run_id, lease, status=status, output=output, error=error):
-            self.ended(run)
+            self._after(run, self.ended)
+
+    @staticmethod
+    def _after(run: RunRecord, hook: Callable[[RunRecord], None]) -> None:
+        """What follows a committed state change (free slots, wake a parent, set a
+        timer) is a fast path: the sweeper does it too, so an error only logs."""
+        try:
+            hook(run)
+        except Exception:
+            logger.warning("Run %s: a follow-up of its state change failed; the sweeper covers it.",
+                           run.run_id, exc_info=True)  # fmt: skip
 
     def ended(self, run: RunRecord) -> None:
         """A run reached a terminal status: free its slots, wake a parent waiting for it.
@@ -128,17 +218,27 @@ class Executor:
             raise exceptions.RunCancelled(run_id)
 
     @contextmanager
-    def _heartbeat(self, run_id: str, lease: str) -> Iterator[None]:
-        stop = threading.Event()
+    def _heartbeat(self, run_id: str, lease: str) -> Iterator[threading.Event]:
+        """Beat every ``HEARTBEAT_INTERVAL`` in a thread of its own; yields the event
+        set when a heartbeat finds the run no longer this lease's (cancelled, or taken
+        over), which stops the execution at its next step boundary. A failed
+        heartbeat (the database unreachable) is logged and retried on a fresh
+        connection at the next beat: one blip must not let the run look orphaned."""
+        stop, lost = threading.Event(), threading.Event()
         interval = float(settings.HEARTBEAT_INTERVAL)
 
         def beat() -> None:
             try:
                 while not stop.wait(interval):
-                    if not self.store.heartbeat(run_id, lease):
+                    try:
+                        owned = self.store.heartbeat(run_id, lease)
+                    except Exception as exc:  # never let a heartbeat failure end the heartbeats
+                        logger.warning("Heartbeat of run %s failed, retrying: %s", run_id, exc)
+                        self._recover()
+                        continue
+                    if not owned:
+                        lost.set()
                         return
-            except Exception:  # never let a heartbeat failure kill the worker
-                logger.exception("Heartbeat of run %s failed", run_id)
             finally:
                 release = getattr(self.store, "release_thread", None)
                 if release is not None:
@@ -147,7 +247,7 @@ class Executor:
         thread = threading.Thread(target=beat, name=f"durable-heartbeat-{run_id}", daemon=True)
         thread.start()
         try:
-            yield
+            yield lost
         finally:
             stop.set()
             thread.join()
@@ -197,8 +297,11 @@ class Executor:
     # -- recovery ------------------------------------------------------------------------------
     def sweep(self) -> dict[str, list[str]]:
         now = timezone.now()
-        orphaned = self.store.orphaned_runs(now - timedelta(seconds=float(settings.STALE_AFTER)))
-        undelivered = self.store.undelivered_runs(now - timedelta(seconds=float(settings.REDISPATCH_AFTER)))
+        # A run is re-sent REDISPATCH_AFTER * 2**n after its n-th re-send: a backlog
+        # that workers are slow to take is not sent again on every sweep.
+        cutoffs = redispatch_cutoffs(now, float(settings.REDISPATCH_AFTER))
+        orphaned = self.store.orphaned_runs(now - timedelta(seconds=float(settings.STALE_AFTER)), cutoffs)
+        undelivered = self.store.undelivered_runs(cutoffs)
         runs = orphaned + undelivered
         if runs:
             self.store.mark_dispatched([r.run_id for r in runs])
@@ -206,6 +309,9 @@ class Executor:
                 self.engine.dispatch(self.engine, run)
             logger.warning("Sweep re-dispatched %d orphaned and %d undelivered runs.", len(orphaned), len(undelivered))
         woken = [r.run_id for r in self.store.due_runs(now) if self.resume(r, due=True)]
+        waiting_parents = getattr(self.store, "waiting_parents", None)
+        if waiting_parents is not None:  # a child ended, but the wake-up of its parent was lost
+            woken += [r.run_id for r in waiting_parents() if self.resume(r, waiting_for=r.waiting_for)]
         promoted = [
             run_id
             for namespace, keys in self.store.keys_with_queued().items()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
 
 from durable.concurrency import Quota
@@ -43,6 +43,7 @@ class RunRecord:
     finished_at: datetime | None = None
     heartbeat_at: datetime | None = None
     dispatched_at: datetime | None = None
+    redispatches: int = 0
     tags: list[str] = field(default_factory=list)
 
 
@@ -139,6 +140,10 @@ class Store(Protocol):
         """Suspended runs whose ``wake_at`` has come."""
         ...
 
+    def waiting_parents(self) -> list[RunRecord]:
+        """Suspended runs waiting for a child that has ended (its wake-up was lost)."""
+        ...
+
     def runs_on_queues(self, statuses: Sequence[str]) -> list[RunRecord]:
         """Runs in ``statuses`` whose messages go to a queue of their own (remote workflows)."""
         ...
@@ -165,11 +170,32 @@ class Store(Protocol):
         ...
 
     # -- recovery ------------------------------------------------------------
-    def orphaned_runs(self, heartbeat_before: datetime) -> list[RunRecord]: ...
+    def orphaned_runs(self, heartbeat_before: datetime, dispatched_before: Sequence[datetime] = ()) -> list[RunRecord]:
+        """Running runs whose heartbeat is older than ``heartbeat_before``; when
+        ``dispatched_before`` is given, only those not re-sent since their claim or
+        whose last re-send is due for another (see ``undelivered_runs``)."""
+        ...
 
-    def undelivered_runs(self, dispatched_before: datetime) -> list[RunRecord]: ...
+    def undelivered_runs(self, dispatched_before: Sequence[datetime]) -> list[RunRecord]:
+        """Pending runs due for a re-send: a run re-sent ``n`` times already is due
+        when its last message was sent before ``dispatched_before[n]`` (the last
+        cutoff for any larger ``n``); see ``redispatch_cutoffs``."""
+        ...
 
-    def mark_dispatched(self, run_ids: Sequence[str]) -> None: ...
+    def mark_dispatched(self, run_ids: Sequence[str]) -> None:
+        """The sweeper re-sent these runs now: set ``dispatched_at``, count the re-send."""
+        ...
+
+
+#: The sweeper's re-sends of one run wait ``REDISPATCH_AFTER * 2**n`` after the
+#: previous message, with ``n`` at most this (64 times ``REDISPATCH_AFTER``).
+REDISPATCH_BACKOFF_CAP = 6
+
+
+def redispatch_cutoffs(now: datetime, redispatch_after: float) -> list[datetime]:
+    """For ``n`` = 0 .. ``REDISPATCH_BACKOFF_CAP``: a run re-sent ``n`` times is due
+    again when its last message is older than the ``n``-th datetime."""
+    return [now - timedelta(seconds=redispatch_after * 2**n) for n in range(REDISPATCH_BACKOFF_CAP + 1)]
 
 
 def group_keys(tags: Sequence[str]) -> dict[str, str]:

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from django.db import IntegrityError, connections, transaction
-from django.db.models import F, Min, Q
-from django.db.models.functions import Coalesce
+from django.db import IntegrityError, InterfaceError, OperationalError, connections, transaction
+from django.db.models import CharField, Exists, F, Min, OuterRef, Q, Value
+from django.db.models.functions import Coalesce, Concat
 from django.utils import timezone
 
 from durable import exceptions
@@ -25,8 +26,28 @@ if TYPE_CHECKING:
 _RECORD_FIELDS = (
     "run_id", "workflow", "version", "namespace", "status", "input", "output", "error",
     "attempt", "generation", "lease", "worker", "created_at", "updated_at", "started_at", "finished_at",
-    "heartbeat_at", "dispatched_at", "queue", "waiting_for", "wake_at",
+    "heartbeat_at", "dispatched_at", "redispatches", "queue", "waiting_for", "wake_at",
 )  # fmt: skip
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _reconnecting(method: _Method) -> _Method:
+    """Run an idempotent store call once more on a fresh connection when the first
+    try lost its connection (a database restart, ``pg_terminate_backend``, a network
+    blip). Not inside a caller's transaction: that one is lost anyway."""
+
+    @functools.wraps(method)
+    def call(self: DjangoStore, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except (OperationalError, InterfaceError):
+            if not self.recover():
+                raise
+            return method(self, *args, **kwargs)
+
+    return cast(_Method, call)
 
 
 def _models() -> Any:
@@ -49,6 +70,7 @@ class DjangoStore:
     def _runs(self) -> Any:
         return _models().WorkflowRun.objects.using(self.using)
 
+    @_reconnecting
     def get_run(self, run_id: str) -> RunRecord | None:
         row = self._runs().filter(run_id=run_id).select_related("parent").first()
         return None if row is None else to_record(row)
@@ -195,6 +217,8 @@ class DjangoStore:
         **fields: Any,
     ) -> bool:
         qs = self._runs().filter(run_id=run_id, status__in=list(from_statuses), **(expect or {}))
+        if to == RunStatus.PENDING:  # a pending run's message is sent now: the sweeper waits from here
+            fields = {"dispatched_at": timezone.now(), "redispatches": 0, **fields}
         return self._set_status(qs, to, **fields)
 
     def claim(
@@ -214,9 +238,11 @@ class DjangoStore:
             attempt=F("attempt") + 1,
             heartbeat_at=now,
             started_at=Coalesce(F("started_at"), now),
+            redispatches=0,
         )
         return self.get_run(run_id) if claimed else None
 
+    @_reconnecting
     def heartbeat(self, run_id: str, lease: str) -> bool:
         return bool(
             self._runs()
@@ -224,6 +250,7 @@ class DjangoStore:
             .update(heartbeat_at=timezone.now())
         )
 
+    @_reconnecting
     def finish(
         self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None
     ) -> bool:
@@ -246,6 +273,7 @@ class DjangoStore:
                 lease="",
                 finished_at=None,
                 dispatched_at=timezone.now(),
+                redispatches=0,
             )
             if done:
                 run = self._runs().get(run_id=run_id)
@@ -257,6 +285,7 @@ class DjangoStore:
         return done
 
     # -- journal -------------------------------------------------------------
+    @_reconnecting
     def load_steps(self, run_id: str) -> list[StepEntry]:
         rows = (
             _models()
@@ -293,6 +322,7 @@ class DjangoStore:
         )
         self._runs().filter(pk=run).update(heartbeat_at=timezone.now())
 
+    @_reconnecting
     def record_step(self, run_id: str, lease: str, step: StepEntry) -> bool:
         with transaction.atomic(using=self.using):
             run = self._owned_run(run_id, lease)
@@ -302,6 +332,7 @@ class DjangoStore:
         return True
 
     # -- waiting -----------------------------------------------------------------
+    @_reconnecting
     def suspend(self, run_id: str, lease: str, *, waiting_for: str, wake_at: datetime | None) -> bool:
         models = _models()
         with transaction.atomic(using=self.using):
@@ -361,6 +392,16 @@ class DjangoStore:
         qs = self._runs().filter(status=RunStatus.SUSPENDED, wake_at__lte=now).select_related("parent")
         return [to_record(run) for run in qs[:1000]]
 
+    def waiting_parents(self) -> list[RunRecord]:
+        ended_child = (
+            self._runs()
+            .filter(parent=OuterRef("pk"), status__in=TERMINAL_STATUSES)
+            .annotate(waited=Concat(Value("child:"), "run_id", output_field=CharField()))
+            .filter(waited=OuterRef("waiting_for"))
+        )
+        qs = self._runs().filter(status=RunStatus.SUSPENDED, waiting_for__startswith="child:")
+        return [to_record(run) for run in qs.filter(Exists(ended_child)).select_related("parent")[:1000]]
+
     def runs_on_queues(self, statuses: Sequence[str]) -> list[RunRecord]:
         qs = self._runs().filter(status__in=list(statuses)).exclude(queue="").select_related("parent")
         return [to_record(run) for run in qs[:1000]]
@@ -406,18 +447,34 @@ class DjangoStore:
         return found
 
     # -- recovery ------------------------------------------------------------
-    def orphaned_runs(self, heartbeat_before: datetime) -> list[RunRecord]:
-        return [to_record(run) for run in self._runs().orphaned(heartbeat_before).select_related("parent")[:1000]]
+    def orphaned_runs(self, heartbeat_before: datetime, dispatched_before: Sequence[datetime] = ()) -> list[RunRecord]:
+        qs = self._runs().orphaned(heartbeat_before).redispatch_due(dispatched_before, first_at_once=True)
+        return [to_record(run) for run in qs.select_related("parent")[:1000]]
 
-    def undelivered_runs(self, dispatched_before: datetime) -> list[RunRecord]:
+    def undelivered_runs(self, dispatched_before: Sequence[datetime]) -> list[RunRecord]:
         return [to_record(run) for run in self._runs().undelivered(dispatched_before).select_related("parent")[:1000]]
 
     def mark_dispatched(self, run_ids: Sequence[str]) -> None:
-        self._runs().filter(run_id__in=list(run_ids)).update(dispatched_at=timezone.now())
+        self._runs().filter(run_id__in=list(run_ids)).update(
+            dispatched_at=timezone.now(), redispatches=F("redispatches") + 1
+        )
 
     def release_thread(self) -> None:
         """Close this thread's connection (called by helper threads when they end)."""
-        connections[self.using].close()
+        try:
+            connections[self.using].close()
+        except (OperationalError, InterfaceError):
+            pass  # a connection that broke is gone already
+
+    def recover(self) -> bool:
+        """Close this thread's connection if an error left it unusable, so that the
+        next query opens a fresh one. False inside a transaction (its owner must
+        roll back first)."""
+        connection = connections[self.using]
+        if connection.in_atomic_block:
+            return False
+        connection.close_if_unusable_or_obsolete()
+        return True
 
 
 def to_record(run: WorkflowRun) -> RunRecord:

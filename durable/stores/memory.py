@@ -127,6 +127,8 @@ class InMemoryStore:
         def check(run: RunRecord) -> bool:
             return run.status in from_statuses and all(getattr(run, k) == v for k, v in (expect or {}).items())
 
+        if to == RunStatus.PENDING:  # a pending run's message is sent now: the sweeper waits from here
+            fields = {"dispatched_at": timezone.now(), "redispatches": 0, **fields}
         return self._update(run_id, check, status=to, **fields)
 
     def claim(
@@ -147,6 +149,7 @@ class InMemoryStore:
             run.heartbeat_at = now
             run.started_at = run.started_at or now
             run.updated_at = now
+            run.redispatches = 0
             return copy.deepcopy(run)
 
     def _owned(self, lease: str) -> Callable[[RunRecord], bool]:
@@ -181,6 +184,7 @@ class InMemoryStore:
                 lease="",
                 finished_at=None,
                 dispatched_at=timezone.now(),
+                redispatches=0,
                 tags=list(tags),
             )
             if done:
@@ -262,6 +266,16 @@ class InMemoryStore:
                 if r.status == RunStatus.SUSPENDED and r.wake_at is not None and r.wake_at <= now
             ]
 
+    def waiting_parents(self) -> list[RunRecord]:
+        with self._lock:
+            found = []
+            for run in self._runs.values():
+                kind, _, target = run.waiting_for.partition(":")
+                child = self._runs.get(target) if run.status == RunStatus.SUSPENDED and kind == "child" else None
+                if child is not None and child.status in TERMINAL_STATUSES:
+                    found.append(copy.deepcopy(run))
+            return found
+
     def runs_on_queues(self, statuses: Sequence[str]) -> list[RunRecord]:
         with self._lock:
             return [copy.deepcopy(r) for r in self._runs.values() if r.status in statuses and r.queue]
@@ -308,7 +322,7 @@ class InMemoryStore:
         return found
 
     # -- recovery ------------------------------------------------------------
-    def orphaned_runs(self, heartbeat_before: datetime) -> list[RunRecord]:
+    def orphaned_runs(self, heartbeat_before: datetime, dispatched_before: Sequence[datetime] = ()) -> list[RunRecord]:
         with self._lock:
             return [
                 copy.deepcopy(r)
@@ -316,16 +330,15 @@ class InMemoryStore:
                 if r.status == RunStatus.RUNNING
                 and r.heartbeat_at is not None
                 and r.heartbeat_at < heartbeat_before
+                and (not dispatched_before or r.redispatches == 0 or _redispatch_due(r, dispatched_before))
             ]
 
-    def undelivered_runs(self, dispatched_before: datetime) -> list[RunRecord]:
+    def undelivered_runs(self, dispatched_before: Sequence[datetime]) -> list[RunRecord]:
         with self._lock:
             return [
                 copy.deepcopy(r)
                 for r in self._runs.values()
-                if r.status == RunStatus.PENDING
-                and r.dispatched_at is not None
-                and r.dispatched_at < dispatched_before
+                if r.status == RunStatus.PENDING and _redispatch_due(r, dispatched_before)
             ]
 
     def mark_dispatched(self, run_ids: Sequence[str]) -> None:
@@ -333,3 +346,9 @@ class InMemoryStore:
             for run_id in run_ids:
                 if run_id in self._runs:
                     self._runs[run_id].dispatched_at = timezone.now()
+                    self._runs[run_id].redispatches += 1
+
+
+def _redispatch_due(run: RunRecord, dispatched_before: Sequence[datetime]) -> bool:
+    before = dispatched_before[min(run.redispatches, len(dispatched_before) - 1)]
+    return run.dispatched_at is not None and run.dispatched_at < before

@@ -33,3 +33,24 @@ def test_sigkilled_worker_run_resumes_on_a_new_worker(worker_processes: WorkerPr
     assert handle.record.attempt == 2
     assert engine.count_runs(tag="concurrency:crash", statuses=DEFAULT_CONCURRENCY_STATUSES) == 0
     assert engine.start("test.crashy", {"key": "crash", "log": str(log), "release": str(release)}).created
+
+
+def test_a_terminated_database_connection_does_not_fail_the_run(worker_processes: WorkerProcesses) -> None:
+    """The worker's connections are killed (``pg_terminate_backend``, as in a fast
+    restart) while a step runs: the run completes and each step ran exactly once."""
+    from tests.concurrency.test_connection_loss import terminate_other_backends
+
+    log, release = worker_processes.tmp_path / "calls.log", worker_processes.tmp_path / "release"
+    lines = lambda: log.read_text().split() if log.exists() else []  # noqa: E731
+
+    worker_processes.start("only")
+    handle = engine.start("test.crashy", {"key": "blip", "log": str(log), "release": str(release)})
+    wait_for(lambda: "slow-start" in lines(), timeout=60, what="the slow step to start")
+    assert terminate_other_backends() >= 1  # the worker's connection and its heartbeat's
+
+    release.touch()
+    output = handle.result(timeout=90)
+
+    assert output == {"steps": ["prepared", "slow-done"]}
+    assert lines() == ["prepare", "slow-start"]  # every finished step ran exactly once
+    assert handle.record.error is None
