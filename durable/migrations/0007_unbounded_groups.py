@@ -6,7 +6,7 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-    dependencies = [("durable", "0004_admit_function")]
+    dependencies = [("durable", "0005_redispatches")]
 
     operations = [
         migrations.AlterField(
