@@ -202,7 +202,7 @@ class QuotaSerializer(serializers.Serializer):
     active = serializers.IntegerField(read_only=True, help_text="Runs in the key's count_statuses.")
     queued = serializers.IntegerField(read_only=True, help_text="Runs waiting for a slot of the key.")
     limit = serializers.IntegerField(
-        read_only=True, allow_null=True, help_text="Last limit a start used; null if unknown."
+        read_only=True, allow_null=True, help_text="Last limit a start used (admitted or refused); null if unknown."
     )
     count_statuses = serializers.ListField(child=serializers.CharField(), read_only=True)
     oldest_active_at = serializers.DateTimeField(read_only=True, allow_null=True)
