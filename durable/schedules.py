@@ -20,10 +20,11 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import math
 import re
 import zoneinfo
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -188,6 +189,12 @@ def validate(values: dict[str, Any], *, registry: Registry | None = None) -> dic
             "interval_seconds",
             f"The interval (every) must be a whole number of seconds from 1 to {MAX_INT}, got {interval!r}.",
         )
+    elif interval < min_interval():
+        error(
+            "interval_seconds",
+            f"The interval (every) must be at least {min_interval()} seconds (SCHEDULE_MIN_INTERVAL), "
+            f"got {interval}: a schedule may not fire more often.",
+        )
 
     tz = values.get("timezone")
     if not isinstance(tz, str) or tz not in _timezones():
@@ -269,7 +276,53 @@ def _cron_problem(cron: str) -> str | None:
         _latest_tick(cron, UTC, django_timezone.now())
     except CroniterError:
         return f"Invalid cron expression {cron!r}: it never fires. {_CRON_HINT}"
+    shortest = _shortest_gap(_beat_crontab(cron), min_interval())
+    if shortest is not None:
+        return (
+            f"The cron expression {cron!r} fires {_minutes(shortest)} after a previous firing: a schedule may "
+            f"not fire more often than every {min_interval()} seconds (SCHEDULE_MIN_INTERVAL)."
+        )
     return None
+
+
+def min_interval() -> int:
+    """The ``SCHEDULE_MIN_INTERVAL`` setting: the shortest time between two firings, in seconds (at least 1)."""
+    return max(1, math.ceil(settings.SCHEDULE_MIN_INTERVAL))
+
+
+def _shortest_gap(crontab: celery_schedules.crontab, minimum: int) -> int | None:
+    """The shortest time in minutes between two ticks of ``crontab`` if it is below
+    ``minimum`` seconds, else None. Measured on the wall clock (a DST change may
+    shorten one gap by an hour): between two ticks of one day, and from a day's
+    last tick to the first tick of the next day that fires."""
+    times = sorted(hour * 60 + minute for hour in crontab.hour for minute in crontab.minute)
+    gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+    if gaps and min(gaps) * 60 < minimum:
+        return min(gaps)
+    if (24 * 60 - times[-1] + times[0]) * 60 >= minimum:
+        return None  # even two days in a row are far enough apart
+    # The fewest days between two firing days: 28 years repeat the calendar
+    # (weekdays and leap days), day-of-month AND day-of-week as beat reads them.
+    days = [
+        day
+        for day in (date(2001, 1, 1) + timedelta(days=n) for n in range(28 * 365 + 7))
+        if day.day in crontab.day_of_month
+        and day.month in crontab.month_of_year
+        and day.isoweekday() % 7 in crontab.day_of_week
+    ]
+    spans = [(later - earlier).days for earlier, later in zip(days, days[1:], strict=False)]
+    if not spans:
+        return None
+    overnight = min(spans) * 24 * 60 - times[-1] + times[0]
+    return overnight if overnight * 60 < minimum else None
+
+
+def _minutes(minutes: int) -> str:
+    for unit, size in (("day", 24 * 60), ("hour", 60)):
+        if minutes % size == 0:
+            count = minutes // size
+            return f"{count} {unit}{'s' if count != 1 else ''}"
+    return f"{minutes} minute{'s' if minutes != 1 else ''}"
 
 
 def _beat_crontab(cron: str) -> celery_schedules.crontab:

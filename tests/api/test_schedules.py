@@ -77,11 +77,11 @@ def test_create_answers_201_with_the_schedule_and_its_beat_entry(api: APIClient)
 
 
 def test_create_an_interval_schedule_with_defaults(api: APIClient) -> None:
-    response = api.post(list_url(), {"name": "tick", "workflow": "test.fatal", "every": 30}, format="json")
+    response = api.post(list_url(), {"name": "tick", "workflow": "test.fatal", "every": 90}, format="json")
     assert response.status_code == 201, response.json()
     data = response.json()
-    assert (data["every"], data["cron"], data["input"], data["timezone"], data["enabled"]) == (30, "", {}, "UTC", True)
-    assert PeriodicTask.objects.get().interval.every == 30
+    assert (data["every"], data["cron"], data["input"], data["timezone"], data["enabled"]) == (90, "", {}, "UTC", True)
+    assert PeriodicTask.objects.get().interval.every == 90
 
 
 @pytest.mark.parametrize(
@@ -93,6 +93,7 @@ def test_create_an_interval_schedule_with_defaults(api: APIClient) -> None:
         ({"cron": None}, "every", "needs one of them"),
         ({"cron": None, "every": 0}, "every", "from 1 to"),
         ({"cron": None, "every": 2.5}, "every", "A valid integer is required."),
+        ({"cron": None, "every": 1}, "every", "at least 60 seconds (SCHEDULE_MIN_INTERVAL)"),
         ({"workflow": "no.such"}, "workflow", "No workflow is registered under the name 'no.such'"),
         ({"timezone": "Mars/Olympus"}, "timezone", "Unknown timezone 'Mars/Olympus'"),
         ({"concurrency_key": "k"}, "concurrency_limit", "needs a limit"),

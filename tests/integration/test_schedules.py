@@ -74,6 +74,8 @@ def beat_rows() -> tuple[int, int, int, int]:
         ({"every": 1.5}, "interval_seconds", "whole number of seconds"),
         ({"every": True}, "interval_seconds", "whole number of seconds"),
         ({"every": 2**31}, "interval_seconds", "from 1 to 2147483647"),
+        ({"every": 1}, "interval_seconds", "at least 60 seconds (SCHEDULE_MIN_INTERVAL)"),
+        ({"every": 59}, "interval_seconds", "at least 60 seconds (SCHEDULE_MIN_INTERVAL)"),
         ({"cron": "0 9 * * *", "timezone": "Mars/Olympus"}, "timezone", "Unknown timezone 'Mars/Olympus'"),
         ({"timezone": ""}, "timezone", "Unknown timezone"),
         ({"concurrency_key": "sched:k"}, "concurrency_limit", "needs a limit"),
@@ -118,9 +120,51 @@ def test_every_error_is_reported_at_once() -> None:
 def test_a_taken_name_is_refused() -> None:
     make("digest")
     with pytest.raises(exceptions.InvalidScheduleError, match="A schedule named 'digest' already exists"):
-        make("digest", every=30)
+        make("digest", every=120)
     assert models.Schedule.objects.get().interval_seconds == 60
     assert PeriodicTask.objects.count() == 1
+
+
+def test_the_minimum_interval_is_a_setting(settings: Any) -> None:
+    settings.DURABLE = {**settings.DURABLE, "SCHEDULE_MIN_INTERVAL": 1}
+    assert make("fast", every=1).interval_seconds == 1  # a trusted deployment may allow 1 s
+    settings.DURABLE = {**settings.DURABLE, "SCHEDULE_MIN_INTERVAL": 7200}
+    with pytest.raises(exceptions.InvalidScheduleError, match=r"at least 7200 seconds \(SCHEDULE_MIN_INTERVAL\)"):
+        make("hourly", every=3600)
+    # An existing schedule keeps firing (and can be paused), but any change must bring it within the minimum.
+    assert schedules.fire(schedules.get_schedule("fast").pk).started  # type: ignore[union-attr]
+    assert not schedules.pause("fast").enabled
+    with pytest.raises(exceptions.InvalidScheduleError, match="SCHEDULE_MIN_INTERVAL"):
+        schedules.update_schedule("fast", input={"a": 2, "b": 2})
+    assert schedules.update_schedule("fast", every=7200, input={"a": 2, "b": 2}).interval_seconds == 7200
+
+
+@pytest.mark.parametrize(
+    ("cron", "shortest"),
+    [
+        ("* * * * *", "1 minute"),
+        ("*/30 * * * *", "30 minutes"),
+        ("0,1 9 * * *", "1 minute"),
+        ("0 0,23 * * *", "1 hour"),  # 23:00, then 00:00 the next day
+        ("0 */1 * * *", "1 hour"),
+    ],
+)
+def test_a_cron_schedule_firing_more_often_than_the_minimum_is_refused(
+    settings: Any, cron: str, shortest: str
+) -> None:
+    settings.DURABLE = {**settings.DURABLE, "SCHEDULE_MIN_INTERVAL": 7200}
+    with pytest.raises(exceptions.InvalidScheduleError) as caught:
+        make("often", cron=cron)
+    message = caught.value.errors["cron"][0]
+    assert f"fires {shortest} after" in message and "SCHEDULE_MIN_INTERVAL" in message
+    assert beat_rows() == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("cron", ["0 */2 * * *", "0 9 * * *", "0 0,23 * * 1", "0 9,12 * * 1-5"])
+def test_a_cron_schedule_within_the_minimum_is_accepted(settings: Any, cron: str) -> None:
+    # Monday 00:00 and 23:00 are 23 hours apart, and the next firing is a week later.
+    settings.DURABLE = {**settings.DURABLE, "SCHEDULE_MIN_INTERVAL": 7200}
+    assert make("often", cron=cron).cron == cron
 
 
 def test_a_bad_update_changes_nothing() -> None:
@@ -142,8 +186,11 @@ def test_the_model_clean_gives_the_same_messages_per_field() -> None:
     assert "Invalid cron expression '61 * * * *'" in errors["cron"][0]
     # The database constraints are not reported a second time in their own words.
     assert not any("Constraint" in m for messages in errors.values() for m in messages)
-    valid = models.Schedule(name="x", workflow="test.add", input={}, interval_seconds=5)
+    valid = models.Schedule(name="x", workflow="test.add", input={}, interval_seconds=300)
     valid.full_clean()
+    too_often = models.Schedule(name="x", workflow="test.add", input={}, interval_seconds=5)
+    with pytest.raises(ValidationError, match="SCHEDULE_MIN_INTERVAL"):
+        too_often.full_clean()
 
 
 def test_unknown_schedules_are_not_found() -> None:
@@ -281,10 +328,10 @@ def test_a_window_starts_a_run_with_the_deterministic_id() -> None:
 
 
 def test_a_null_input_is_stored_and_given_to_each_run() -> None:
-    schedule = schedules.create_schedule("nulls", "test.fatal", None, every=5)
-    schedules.update_schedule(schedule, every=10)  # and kept by an update
+    schedule = schedules.create_schedule("nulls", "test.fatal", None, every=300)
+    schedules.update_schedule(schedule, every=600)  # and kept by an update
     schedule.refresh_from_db()
-    assert schedule.input is None and schedule.interval_seconds == 10
+    assert schedule.input is None and schedule.interval_seconds == 600
     firing = schedules.fire(schedule.pk)
     assert firing is not None and firing.started and firing.handle is not None
     assert firing.handle.input is None
@@ -503,12 +550,12 @@ def form_data(**fields: Any) -> dict[str, Any]:
 
 def test_admin_changelist_shows_each_schedule(admin_client: Client) -> None:
     make("digest", cron="0 9 * * *", timezone="Europe/Paris", concurrency_key="tenant:acme", concurrency_limit=8)
-    make("tick", every=30)
+    make("tick", every=90)
     response = admin_client.get(SCHEDULES_URL)
     assert response.status_code == 200
     page = response.content.decode()
     assert [s.name for s in response.context["cl"].result_list] == ["digest", "tick"]
-    for text in ("cron 0 9 * * *", "Europe/Paris", "every 30s", "tenant:acme (limit 8)"):
+    for text in ("cron 0 9 * * *", "Europe/Paris", "every 90s", "tenant:acme (limit 8)"):
         assert text in page
 
 
