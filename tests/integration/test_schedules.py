@@ -304,6 +304,75 @@ def test_cron_day_of_month_and_day_of_week_both_apply_as_in_beat() -> None:
     assert schedules.window_of(schedule, datetime(2026, 12, 1, tzinfo=UTC)) == datetime(2026, 11, 13, 9, tzinfo=UTC)
 
 
+def windows(schedule: models.Schedule, start: datetime, end: datetime) -> list[datetime]:
+    """The distinct windows of ``schedule`` seen minute by minute from ``start`` to ``end``, in order."""
+    seen: list[datetime] = []
+    moment = start
+    while moment <= end:
+        window = schedules.window_of(schedule, moment)
+        assert window <= moment
+        assert not seen or window >= seen[-1], f"the window went back in time at {moment}"
+        if not seen or window != seen[-1]:
+            seen.append(window)
+        moment += timedelta(minutes=1)
+    return seen
+
+
+def utc(*args: int) -> datetime:
+    return datetime(*args, tzinfo=UTC)  # type: ignore[misc]
+
+
+def test_a_wall_clock_time_that_occurs_twice_fires_once_at_its_first_occurrence() -> None:
+    # Paris falls back on 2026-10-25: 03:00 CEST (01:00Z) becomes 02:00 CET, so
+    # 02:30 happens at 00:30Z and again at 01:30Z.
+    schedule = make("night", cron="30 2 * * *", timezone="Europe/Paris")
+    assert windows(schedule, utc(2026, 10, 24, 22), utc(2026, 10, 25, 4)) == [
+        utc(2026, 10, 24, 0, 30),  # yesterday's
+        utc(2026, 10, 25, 0, 30),  # 02:30 CEST, the first 02:30
+    ]
+    first = schedules.fire(schedule.pk, now=utc(2026, 10, 25, 0, 30, 5))
+    again = schedules.fire(schedule.pk, now=utc(2026, 10, 25, 1, 30, 5))  # beat firing at the second 02:30
+    assert first is not None and first.outcome is Outcome.STARTED
+    assert again is not None and again.outcome is Outcome.ALREADY_STARTED and again.run_id == first.run_id
+    assert first.run_id == "schedule:night:2026-10-25T00:30:00Z"
+    assert models.WorkflowRun.objects.count() == 1
+
+
+def test_a_wall_clock_time_that_does_not_exist_fires_once_shifted_by_the_gap() -> None:
+    # Paris springs forward on 2026-03-29: 02:00 CET (01:00Z) becomes 03:00 CEST, so
+    # there is no 02:30; it fires once, an hour later on the clock: 03:30 CEST (01:30Z).
+    schedule = make("night", cron="30 2 * * *", timezone="Europe/Paris")
+    assert windows(schedule, utc(2026, 3, 28, 22), utc(2026, 3, 29, 6)) == [
+        utc(2026, 3, 28, 1, 30),
+        utc(2026, 3, 29, 1, 30),
+    ]
+    assert schedules.window_of(schedule, utc(2026, 3, 29, 1, 10)) == utc(2026, 3, 28, 1, 30)  # 03:10 CEST
+
+
+@pytest.mark.parametrize(
+    ("cron", "start", "expected"),
+    [
+        # Hourly on the fall-back night: 02:00 happens once (00:00Z); the repeated hour adds no window.
+        ("0 * * * *", utc(2026, 10, 24, 22), [utc(2026, 10, 24, 22), utc(2026, 10, 24, 23), utc(2026, 10, 25, 0),
+                                             utc(2026, 10, 25, 2)]),
+        # Every 30 minutes: 02:00 and 02:30 CEST, then 03:00 CET (02:00Z).
+        ("*/30 * * * *", utc(2026, 10, 24, 23, 30), [utc(2026, 10, 24, 23, 30), utc(2026, 10, 25, 0),
+                                                    utc(2026, 10, 25, 0, 30), utc(2026, 10, 25, 2),
+                                                    utc(2026, 10, 25, 2, 30), utc(2026, 10, 25, 3),
+                                                    utc(2026, 10, 25, 3, 30), utc(2026, 10, 25, 4)]),
+        # Hourly on the spring-forward night: the missing 02:00 is 03:00 CEST, one window.
+        ("0 * * * *", utc(2026, 3, 28, 23), [utc(2026, 3, 28, 23), utc(2026, 3, 29, 0), utc(2026, 3, 29, 1),
+                                            utc(2026, 3, 29, 2), utc(2026, 3, 29, 3)]),
+        # 02:45 does not exist: shifted to 03:45 CEST (01:45Z), after 03:00 CEST (01:00Z).
+        ("45 2 * * *", utc(2026, 3, 28, 22), [utc(2026, 3, 28, 1, 45), utc(2026, 3, 29, 1, 45)]),
+        ("0,45 2,3 * * *", utc(2026, 3, 28, 23), [utc(2026, 3, 28, 2, 45), utc(2026, 3, 29, 1), utc(2026, 3, 29, 1, 45)]),
+    ],
+)
+def test_windows_across_both_daylight_saving_changes(cron: str, start: datetime, expected: list[datetime]) -> None:
+    schedule = make("dst", cron=cron, timezone="Europe/Paris")
+    assert windows(schedule, start, start + timedelta(hours=4, minutes=30)) == expected
+
+
 def test_an_interval_window_is_the_time_rounded_down_to_the_interval() -> None:
     schedule = make("tick", every=60)
     now = datetime(2026, 11, 30, 12, 34, 56, 789000, tzinfo=UTC)
