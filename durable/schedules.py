@@ -276,7 +276,7 @@ def _cron_problem(cron: str) -> str | None:
         _latest_tick(cron, UTC, django_timezone.now())
     except CroniterError:
         return f"Invalid cron expression {cron!r}: it never fires. {_CRON_HINT}"
-    shortest = _shortest_gap(_beat_crontab(cron), min_interval())
+    shortest = _shortest_gap(cron, min_interval())
     if shortest is not None:
         return (
             f"The cron expression {cron!r} fires {_minutes(shortest)} after a previous firing: a schedule may "
@@ -290,11 +290,12 @@ def min_interval() -> int:
     return max(1, math.ceil(settings.SCHEDULE_MIN_INTERVAL))
 
 
-def _shortest_gap(crontab: celery_schedules.crontab, minimum: int) -> int | None:
-    """The shortest time in minutes between two ticks of ``crontab`` if it is below
+def _shortest_gap(cron: str, minimum: int) -> int | None:
+    """The shortest time in minutes between two ticks of ``cron`` if it is below
     ``minimum`` seconds, else None. Measured on the wall clock (a DST change may
     shorten one gap by an hour): between two ticks of one day, and from a day's
     last tick to the first tick of the next day that fires."""
+    crontab: Any = _beat_crontab(cron)  # its fields parsed into sets of numbers (untyped in celery's stubs)
     times = sorted(hour * 60 + minute for hour in crontab.hour for minute in crontab.minute)
     gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
     if gaps and min(gaps) * 60 < minimum:
@@ -534,9 +535,9 @@ def create_schedule(
         "enabled": enabled,
     }
     cleaned = validate(values)
-    taken = exceptions.InvalidScheduleError(
-        {"name": [f"A schedule named {name!r} already exists: choose another name, or change that one."]}
-    )
+    # Names are global, across namespaces: the same words whoever holds the name,
+    # so a tenant learns that it is taken and nothing about the holder.
+    taken = exceptions.InvalidScheduleError({"name": [f"The schedule name {name!r} is taken: choose another name."]})
     with transaction.atomic():
         if models.Schedule.objects.filter(name=name).exists():
             raise taken

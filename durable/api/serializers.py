@@ -9,7 +9,7 @@ from typing import Any
 from django.utils import timezone
 from rest_framework import serializers
 
-from durable import models
+from durable import models, schedules
 from durable.status import ALL_STATUSES
 
 #: Deepest nesting of lists and objects accepted in a run's input.
@@ -100,6 +100,16 @@ class StartRunSerializer(serializers.Serializer):
         allow_null=True,
         help_text="Optional explicit id: starting an existing id again returns that run (idempotent).",
     )
+
+    def validate_run_id(self, run_id: str | None) -> str | None:
+        # Run ids are global: a client-chosen schedule run id would reveal another
+        # tenant's schedule windows (409) or take a future one (the window fails).
+        if run_id is not None and run_id.startswith(schedules.RUN_ID_PREFIX):
+            raise serializers.ValidationError(
+                f"Run ids starting with {schedules.RUN_ID_PREFIX!r} are reserved for the runs of schedules: "
+                "choose another run id, or leave run_id out to get a new one."
+            )
+        return run_id
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         _refuse_unknown_fields(self)

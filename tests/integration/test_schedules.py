@@ -119,7 +119,7 @@ def test_every_error_is_reported_at_once() -> None:
 
 def test_a_taken_name_is_refused() -> None:
     make("digest")
-    with pytest.raises(exceptions.InvalidScheduleError, match="A schedule named 'digest' already exists"):
+    with pytest.raises(exceptions.InvalidScheduleError, match="The schedule name 'digest' is taken"):
         make("digest", every=120)
     assert models.Schedule.objects.get().interval_seconds == 60
     assert PeriodicTask.objects.count() == 1
