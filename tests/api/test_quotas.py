@@ -161,3 +161,65 @@ def test_a_refused_start_shows_the_limit_it_was_refused_with(
     detail = admin_client.get(reverse("admin:durable_concurrencylock_change", args=[quote("plan:acme")]))
     assert f'<div class="readonly">{new_limit}</div>' in detail.content.decode()
     assert '<div class="readonly">5</div>' not in detail.content.decode()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_recording_a_refused_starts_limit_never_waits_for_the_keys_lock() -> None:
+    # A starter holds the key's row lock; a start refused meanwhile with a new limit
+    # must return at once (the row it would record on is skipped, not waited for),
+    # and the next refusal after the lock is released records the limit.
+    import threading
+
+    from django.db import connections, transaction
+
+    from durable import ConcurrencyLimitError, Engine
+    from durable.runtime import Registry
+    from durable.testing import wait_for
+
+    registry = Registry()
+    registry.register("w", "1", lambda ctx, input: None)
+    engine = Engine(dispatch=lambda engine, run_id: None, registry=registry)
+    for _ in range(2):
+        engine.start("w", {}, concurrency=Concurrency(key="held", limit=2))
+    locked, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def holder() -> None:
+        try:
+            with transaction.atomic():
+                ConcurrencyLock.objects.select_for_update().get(key="held")
+                locked.set()
+                release.wait(timeout=60)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    refusals: list[int] = []
+
+    def refused_start() -> None:
+        try:
+            engine.start("w", {}, concurrency=Concurrency(key="held", limit=1))
+        except ConcurrencyLimitError as exc:
+            refusals.append(exc.limit)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert locked.wait(timeout=30)
+        starter = threading.Thread(target=refused_start)
+        starter.start()
+        wait_for(lambda: not starter.is_alive(), timeout=30, what="the refused start to return while the key is locked")
+        assert refusals == [1] and errors == []
+        assert ConcurrencyLock.objects.get(key="held").limit == 2  # skipped while locked
+    finally:
+        release.set()
+        thread.join(30)
+    with pytest.raises(ConcurrencyLimitError):
+        engine.start("w", {}, concurrency=Concurrency(key="held", limit=1))
+    assert ConcurrencyLock.objects.get(key="held").limit == 1
