@@ -149,9 +149,8 @@ class DjangoStore:
         # Elsewhere (SQLite) a write takes the whole database's lock: no row locks to skip.
         for quota in quotas:
             statuses = list(quota.count_statuses)
-            Lock.objects.using(self.using).filter(Q(key=quota.key), ~Q(limit=quota.limit) | ~Q(count_statuses=statuses)).update(
-                limit=quota.limit, count_statuses=statuses
-            )
+            stale = Lock.objects.using(self.using).filter(~Q(limit=quota.limit) | ~Q(count_statuses=statuses))
+            stale.filter(key=quota.key).update(limit=quota.limit, count_statuses=statuses)
 
     def admit(self, record: RunRecord, quotas: Sequence[Quota], *, count_namespace: str | None) -> bool:
         """The whole REJECT admission in one round trip, on PostgreSQL (the function
