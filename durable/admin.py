@@ -423,7 +423,8 @@ class ConcurrencyQuotaAdmin(admin.ModelAdmin):
     """Concurrency quotas, one row per key ever used: read-only.
 
     ``limit`` and ``count_statuses`` are the values the latest start of the key
-    used (a limit computed per start may differ from one start to the next).
+    used, admitted or refused (a limit computed per start may differ from one
+    start to the next).
     ``active`` counts the key's runs in those statuses across every namespace,
     ``queued`` its queued runs, "oldest in flight" is the creation time of the
     oldest counted run and "oldest queued" how long the head of its queue has waited.

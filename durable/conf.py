@@ -47,6 +47,10 @@ class Defaults:
     API_NAMESPACE: str | None = None
     #: Page size of ``GET runs/``.
     API_PAGE_SIZE: int = 50
+    #: Shortest time in seconds between two firings of a schedule: an interval
+    #: (``every``) below it is refused, and so is a cron expression with two
+    #: ticks closer than it. 60 is cron's own finest step (every minute).
+    SCHEDULE_MIN_INTERVAL: int = 60
 
 
 class _Settings:

@@ -96,8 +96,8 @@ class RunTag(models.Model):
 class ConcurrencyLock(models.Model):
     """One row per concurrency key: admission locks it with SELECT ... FOR UPDATE.
 
-    ``limit`` and ``count_statuses`` are the last values a start used, shown by
-    the admin and the quota API.
+    ``limit`` and ``count_statuses`` are the last values a start used (admitted
+    or refused), shown by the admin and the quota API.
     """
 
     key = models.CharField(max_length=255, primary_key=True)

@@ -20,10 +20,11 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import math
 import re
 import zoneinfo
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -188,6 +189,12 @@ def validate(values: dict[str, Any], *, registry: Registry | None = None) -> dic
             "interval_seconds",
             f"The interval (every) must be a whole number of seconds from 1 to {MAX_INT}, got {interval!r}.",
         )
+    elif interval < min_interval():
+        error(
+            "interval_seconds",
+            f"The interval (every) must be at least {min_interval()} seconds (SCHEDULE_MIN_INTERVAL), "
+            f"got {interval}: a schedule may not fire more often.",
+        )
 
     tz = values.get("timezone")
     if not isinstance(tz, str) or tz not in _timezones():
@@ -269,7 +276,54 @@ def _cron_problem(cron: str) -> str | None:
         _latest_tick(cron, UTC, django_timezone.now())
     except CroniterError:
         return f"Invalid cron expression {cron!r}: it never fires. {_CRON_HINT}"
+    shortest = _shortest_gap(cron, min_interval())
+    if shortest is not None:
+        return (
+            f"The cron expression {cron!r} fires {_minutes(shortest)} after a previous firing: a schedule may "
+            f"not fire more often than every {min_interval()} seconds (SCHEDULE_MIN_INTERVAL)."
+        )
     return None
+
+
+def min_interval() -> int:
+    """The ``SCHEDULE_MIN_INTERVAL`` setting: the shortest time between two firings, in seconds (at least 1)."""
+    return max(1, math.ceil(settings.SCHEDULE_MIN_INTERVAL))
+
+
+def _shortest_gap(cron: str, minimum: int) -> int | None:
+    """The shortest time in minutes between two ticks of ``cron`` if it is below
+    ``minimum`` seconds, else None. Measured on the wall clock (a DST change may
+    shorten one gap by an hour): between two ticks of one day, and from a day's
+    last tick to the first tick of the next day that fires."""
+    crontab: Any = _beat_crontab(cron)  # its fields parsed into sets of numbers (untyped in celery's stubs)
+    times = sorted(hour * 60 + minute for hour in crontab.hour for minute in crontab.minute)
+    gaps = [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+    if gaps and min(gaps) * 60 < minimum:
+        return min(gaps)
+    if (24 * 60 - times[-1] + times[0]) * 60 >= minimum:
+        return None  # even two days in a row are far enough apart
+    # The fewest days between two firing days: 28 years repeat the calendar
+    # (weekdays and leap days), day-of-month AND day-of-week as beat reads them.
+    days = [
+        day
+        for day in (date(2001, 1, 1) + timedelta(days=n) for n in range(28 * 365 + 7))
+        if day.day in crontab.day_of_month
+        and day.month in crontab.month_of_year
+        and day.isoweekday() % 7 in crontab.day_of_week
+    ]
+    spans = [(later - earlier).days for earlier, later in zip(days, days[1:], strict=False)]
+    if not spans:
+        return None
+    overnight = min(spans) * 24 * 60 - times[-1] + times[0]
+    return overnight if overnight * 60 < minimum else None
+
+
+def _minutes(minutes: int) -> str:
+    for unit, size in (("day", 24 * 60), ("hour", 60)):
+        if minutes % size == 0:
+            count = minutes // size
+            return f"{count} {unit}{'s' if count != 1 else ''}"
+    return f"{minutes} minute{'s' if minutes != 1 else ''}"
 
 
 def _beat_crontab(cron: str) -> celery_schedules.crontab:
@@ -291,9 +345,13 @@ def _timezones() -> frozenset[str]:
 def window_of(schedule: models.Schedule, now: datetime) -> datetime:
     """The window ``now`` falls in (UTC).
 
-    Cron: the latest tick of the expression at or before ``now``, in the
-    schedule's timezone. Interval: ``now`` rounded down to a multiple of the
-    interval, counted from the Unix epoch.
+    Cron: the latest tick of the expression at or before ``now``. The ticks are
+    wall-clock times of the schedule's timezone, each one instant: a time that
+    occurs twice (the clocks go back) is its first occurrence, and a time that
+    does not exist (the clocks go forward) is shifted forward by the gap (02:30
+    becomes 03:30 summer time), as Python reads a wall-clock time with
+    ``fold=0``. Interval: ``now`` rounded down to a multiple of the interval,
+    counted from the Unix epoch.
     """
     if schedule.cron:
         return _latest_tick(schedule.cron, zoneinfo.ZoneInfo(schedule.timezone), now)
@@ -301,13 +359,39 @@ def window_of(schedule: models.Schedule, now: datetime) -> datetime:
     return datetime.fromtimestamp(int(now.timestamp()) // seconds * seconds, UTC)
 
 
+#: More than any daylight-saving shift (2 hours at most): how far wall-clock order
+#: and time order can disagree near a change of the clocks.
+_DST_MARGIN = timedelta(hours=3)
+
+
 def _latest_tick(cron: str, tz: Any, now: datetime) -> datetime:
-    # croniter's get_prev is strictly before its start: start at the next minute
-    # so that a tick equal to ``now`` (to the minute) is the window.
-    start = now.astimezone(UTC).replace(second=0, microsecond=0) + timedelta(minutes=1)
-    # day_or=False: day-of-month AND day-of-week, as beat's crontab reads them.
-    tick: datetime = croniter(cron, start.astimezone(tz), day_or=False).get_prev(datetime)
-    return tick.astimezone(UTC)
+    """The latest instant at or before ``now`` of a wall-clock tick of ``cron`` in ``tz`` (see ``window_of``)."""
+    now = now.astimezone(UTC)
+    # croniter walks naive wall-clock times (no DST arithmetic of its own). Its
+    # get_prev is strictly before its start: start at the next minute so that a
+    # tick equal to ``now`` (to the minute) is the window. day_or=False:
+    # day-of-month AND day-of-week, as beat's crontab reads them.
+    start = now.astimezone(tz).replace(tzinfo=None, second=0, microsecond=0) + timedelta(minutes=1)
+    # Away from a change of the clocks, the first tick back is the latest. Near
+    # one, a later wall-clock time may be an earlier instant (02:30 of a repeated
+    # hour, 03:00 just after a skipped 02:45): look at every tick within the margin.
+    margin = _DST_MARGIN if _clocks_change_near(tz, now) else timedelta(0)
+    ticks = croniter(cron, start + margin, day_or=False)
+    best: tuple[datetime, datetime] | None = None  # (instant, wall-clock time)
+    while True:
+        wall: datetime = ticks.get_prev(datetime)
+        instant = wall.replace(tzinfo=tz).astimezone(UTC)  # fold=0: first occurrence, or shifted forward
+        if instant <= now and (best is None or instant > best[0]):
+            best = (instant, wall)
+            if not margin and _clocks_change_near(tz, instant):
+                margin = _DST_MARGIN
+        if best is not None and wall <= best[1] - margin:
+            return best[0]
+
+
+def _clocks_change_near(tz: Any, instant: datetime) -> bool:
+    """Whether ``tz``'s UTC offset changes within ``_DST_MARGIN`` of ``instant``."""
+    return bool((instant - _DST_MARGIN).astimezone(tz).utcoffset() != (instant + _DST_MARGIN).astimezone(tz).utcoffset())
 
 
 def window_run_id(name: str, window: datetime) -> str:
@@ -451,9 +535,9 @@ def create_schedule(
         "enabled": enabled,
     }
     cleaned = validate(values)
-    taken = exceptions.InvalidScheduleError(
-        {"name": [f"A schedule named {name!r} already exists: choose another name, or change that one."]}
-    )
+    # Names are global, across namespaces: the same words whoever holds the name,
+    # so a tenant learns that it is taken and nothing about the holder.
+    taken = exceptions.InvalidScheduleError({"name": [f"The schedule name {name!r} is taken: choose another name."]})
     with transaction.atomic():
         if models.Schedule.objects.filter(name=name).exists():
             raise taken

@@ -9,7 +9,7 @@ from typing import Any
 from django.utils import timezone
 from rest_framework import serializers
 
-from durable import models
+from durable import models, schedules
 from durable.status import ALL_STATUSES
 
 #: Deepest nesting of lists and objects accepted in a run's input.
@@ -100,6 +100,16 @@ class StartRunSerializer(serializers.Serializer):
         allow_null=True,
         help_text="Optional explicit id: starting an existing id again returns that run (idempotent).",
     )
+
+    def validate_run_id(self, run_id: str | None) -> str | None:
+        # Run ids are global: a client-chosen schedule run id would reveal another
+        # tenant's schedule windows (409) or take a future one (the window fails).
+        if run_id is not None and run_id.startswith(schedules.RUN_ID_PREFIX):
+            raise serializers.ValidationError(
+                f"Run ids starting with {schedules.RUN_ID_PREFIX!r} are reserved for the runs of schedules: "
+                "choose another run id, or leave run_id out to get a new one."
+            )
+        return run_id
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         _refuse_unknown_fields(self)
@@ -202,7 +212,7 @@ class QuotaSerializer(serializers.Serializer):
     active = serializers.IntegerField(read_only=True, help_text="Runs in the key's count_statuses.")
     queued = serializers.IntegerField(read_only=True, help_text="Runs waiting for a slot of the key.")
     limit = serializers.IntegerField(
-        read_only=True, allow_null=True, help_text="Last limit a start used; null if unknown."
+        read_only=True, allow_null=True, help_text="Last limit a start used (admitted or refused); null if unknown."
     )
     count_statuses = serializers.ListField(child=serializers.CharField(), read_only=True)
     oldest_active_at = serializers.DateTimeField(read_only=True, allow_null=True)

@@ -116,6 +116,10 @@ class DjangoStore:
             # The only unique value a start can collide on is the run id: two
             # starters raced with the same explicit id.
             raise RunExists(str(exc)) from exc
+        except exceptions.ConcurrencyLimitError:
+            # The refusal rolled back what _lock wrote: record the limits anyway.
+            self._note_limits(quotas)
+            raise
 
     def _lock(self, quotas: Sequence[Quota]) -> None:
         """Lock each key's row, one key at a time in key order (so starts sharing
@@ -134,6 +138,41 @@ class DjangoStore:
                 row = locks.get(key=quota.key)
             if row.limit != quota.limit or row.count_statuses != statuses:
                 Lock.objects.using(self.using).filter(key=quota.key).update(limit=quota.limit, count_statuses=statuses)
+
+    def _note_limits(self, quotas: Sequence[Quota]) -> None:
+        """Record a refused start's limits and ``count_statuses`` on its keys' rows.
+
+        A refused start writes nothing else, yet its limit is the one admission
+        applies now (a plan changed from 5 to 2): the admin, the quota API and
+        hand-offs read it from these rows. Never waits: a row locked by another
+        starter is skipped (that starter records its own, equally current, limit),
+        and an unchanged row is not written.
+        """
+        if not quotas:
+            return
+        Lock = _models().ConcurrencyLock
+        connection = connections[self.using]
+        if connection.vendor == "postgresql":
+            payload = json.dumps([{"key": q.key, "limit": q.limit, "statuses": list(q.count_statuses)} for q in quotas])
+            table = connection.ops.quote_name(Lock._meta.db_table)
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    f"""UPDATE {table} AS l SET "limit" = (q->>'limit')::integer, count_statuses = q->'statuses'
+                          FROM jsonb_array_elements(%s::jsonb) AS q
+                         WHERE l.key = q->>'key' AND l.key IN (
+                               SELECT k.key FROM {table} AS k JOIN jsonb_array_elements(%s::jsonb) AS p
+                                   ON k.key = p->>'key'
+                                WHERE k."limit" IS DISTINCT FROM (p->>'limit')::integer
+                                   OR k.count_statuses <> p->'statuses'
+                                  FOR UPDATE OF k SKIP LOCKED)""",
+                    [payload, payload],
+                )
+            return
+        # Elsewhere (SQLite) a write takes the whole database's lock: no row locks to skip.
+        for quota in quotas:
+            statuses = list(quota.count_statuses)
+            stale = Lock.objects.using(self.using).filter(~Q(limit=quota.limit) | ~Q(count_statuses=statuses))
+            stale.filter(key=quota.key).update(limit=quota.limit, count_statuses=statuses)
 
     def admit(self, record: RunRecord, quotas: Sequence[Quota], *, count_namespace: str | None) -> bool:
         """The whole REJECT admission in one round trip, on PostgreSQL (the function
@@ -156,6 +195,7 @@ class DjangoStore:
             )  # fmt: skip
             outcome, key, limit, active, _ = cursor.fetchone()
         if outcome == "full":
+            self._note_limits(ordered)
             raise exceptions.ConcurrencyLimitError(workflow=record.workflow, key=key, limit=limit, active=active)
         if outcome == "exists":
             raise RunExists(record.run_id)

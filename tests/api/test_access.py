@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -170,6 +171,43 @@ def test_a_tenant_cannot_restart_or_see_another_tenants_run_id(tenants: tuple[AP
     assert response.json()["code"] == "run_id_taken"
     assert "bob" not in response.content.decode()
     assert counts() == before
+
+
+def test_a_taken_run_id_gets_the_same_answer_whoever_holds_it(tenants: tuple[APIClient, APIClient]) -> None:
+    # Run ids are global: a taken id is refused, but the answer is the same for
+    # another tenant's run as for the tenant's own run of another workflow, and
+    # names neither the holder, its namespace nor its workflow.
+    alice, bob = tenants
+    assert start(bob, "shared", "b1").status_code == 201
+    assert alice.post(runs_url(), {"workflow": "test.fatal", "input": None, "run_id": "a1"}, format="json").status_code == 201
+    before = counts()
+    foreign, own = start(alice, "shared", "b1"), start(alice, "shared", "a1")
+    assert foreign.status_code == own.status_code == 409
+    assert foreign.json() == {key: value.replace("'a1'", "'b1'") for key, value in own.json().items()}
+    for word in ("tenant", "namespace", "bob", "test.add", "test.fatal", "workflow"):
+        assert word not in foreign.content.decode()
+    assert counts() == before
+
+
+def test_run_ids_of_schedules_are_reserved(tenants: tuple[APIClient, APIClient]) -> None:
+    # A tenant could otherwise read another tenant's schedule windows from 409s,
+    # or take a future window's run id and make that window fail.
+    from durable import schedules
+
+    alice, bob = tenants
+    schedule = schedules.create_schedule("nightly", "test.add", {"a": 1, "b": 2}, cron="0 3 * * *", namespace="tenant-bob")
+    past = schedules.fire(schedule.pk)
+    assert past is not None and past.started
+    future = schedules.window_run_id("nightly", past.window + timedelta(days=1))
+    before = counts()
+    for run_id in (past.run_id, future, "schedule:anything"):
+        response = start(alice, "shared", run_id)
+        assert response.status_code == 400, response.json()
+        assert "reserved" in response.json()["run_id"][0]
+    assert start(bob, "shared", future).status_code == 400  # the holder's tenant included
+    assert counts() == before
+    nxt = schedules.fire(schedule.pk, now=past.window + timedelta(days=1, minutes=1))
+    assert nxt is not None and nxt.started and nxt.run_id == future
 
 
 def test_a_user_without_namespace_is_refused(settings: Any, django_user_model: Any) -> None:

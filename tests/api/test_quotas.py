@@ -7,12 +7,27 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
+from durable import Concurrency, DurableWorkflow, WorkflowContext
 from durable.models import ConcurrencyLock
 from durable.stores import DjangoStore
 from durable.testing import WorkflowRunFactory, tagged
 from tests.api.helpers import quota_url, start_add
 
 pytestmark = pytest.mark.django_db
+
+#: The per-plan limit of each key of ``api.plan`` (a test changes a plan).
+PLAN_LIMITS: dict[str, int] = {}
+
+
+class PlanWorkflow(DurableWorkflow):
+    """Limit per ``input["key"]``, looked up in its plan at each start."""
+
+    name = "api.plan"
+    version = "1"
+    concurrency = Concurrency(key=lambda input: input["key"], limit=lambda key: PLAN_LIMITS[key])
+
+    def run(self, ctx: WorkflowContext, input: Any) -> Any:
+        return input
 
 
 def test_quota_urls() -> None:
@@ -117,3 +132,94 @@ def test_quota_shows_the_age_of_the_oldest_queued_run(api: APIClient) -> None:
     assert (body["active"], body["queued"]) == (1, 2)
     assert 89 <= body["oldest_queued_age"] < 300
     assert api.get(quota_url()).json()["results"][0]["oldest_queued_age"] >= 89
+
+
+@pytest.mark.parametrize("new_limit", [2, 3])
+def test_a_refused_start_shows_the_limit_it_was_refused_with(
+    api: APIClient, admin_client: Any, new_limit: int
+) -> None:
+    # The plan allows 5, three runs are in flight, then the plan drops to 2 (or 3):
+    # the next start is refused with the new limit, and the API and the admin say
+    # "3 of <new limit>" (not "3 of 5", which would promise two more starts).
+    PLAN_LIMITS["plan:acme"] = 5
+    start = {"workflow": "api.plan", "input": {"key": "plan:acme"}}
+    for _ in range(3):
+        assert api.post("/durable/runs/", start, format="json").status_code == 201
+    PLAN_LIMITS["plan:acme"] = new_limit
+    refused = api.post("/durable/runs/", start, format="json")
+    assert refused.status_code == 429
+    assert (refused.json()["limit"], refused.json()["active"]) == (new_limit, 3)
+    body = api.get(quota_url("plan:acme")).json()
+    assert (body["active"], body["limit"]) == (3, new_limit)
+    assert [q["limit"] for q in api.get(quota_url()).json()["results"]] == [new_limit]
+    from django.contrib.admin.utils import quote
+    from django.urls import reverse
+
+    page = admin_client.get(reverse("admin:durable_concurrencylock_changelist")).content.decode()
+    row = page[page.index(">plan:acme</a>") :]
+    assert f'<td class="field-limit">{new_limit}</td>' in row[: row.index("</tr>")]
+    detail = admin_client.get(reverse("admin:durable_concurrencylock_change", args=[quote("plan:acme")]))
+    assert f'<div class="readonly">{new_limit}</div>' in detail.content.decode()
+    assert '<div class="readonly">5</div>' not in detail.content.decode()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_recording_a_refused_starts_limit_never_waits_for_the_keys_lock() -> None:
+    # A starter holds the key's row lock; a start refused meanwhile with a new limit
+    # must return at once (the row it would record on is skipped, not waited for),
+    # and the next refusal after the lock is released records the limit.
+    import threading
+
+    from django.db import connections, transaction
+
+    from durable import ConcurrencyLimitError, Engine
+    from durable.runtime import Registry
+    from durable.testing import wait_for
+
+    registry = Registry()
+    registry.register("w", "1", lambda ctx, input: None)
+    engine = Engine(dispatch=lambda engine, run_id: None, registry=registry)
+    for _ in range(2):
+        engine.start("w", {}, concurrency=Concurrency(key="held", limit=2))
+    locked, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def holder() -> None:
+        try:
+            with transaction.atomic():
+                ConcurrencyLock.objects.select_for_update().get(key="held")
+                locked.set()
+                release.wait(timeout=60)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    refusals: list[int] = []
+
+    def refused_start() -> None:
+        try:
+            engine.start("w", {}, concurrency=Concurrency(key="held", limit=1))
+        except ConcurrencyLimitError as exc:
+            refusals.append(exc.limit)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert locked.wait(timeout=30)
+        starter = threading.Thread(target=refused_start)
+        starter.start()
+        wait_for(lambda: not starter.is_alive(), timeout=30, what="the refused start to return while the key is locked")
+        assert refusals == [1] and errors == []
+        assert ConcurrencyLock.objects.get(key="held").limit == 2  # skipped while locked
+    finally:
+        release.set()
+        thread.join(30)
+    with pytest.raises(ConcurrencyLimitError):
+        engine.start("w", {}, concurrency=Concurrency(key="held", limit=1))
+    assert ConcurrencyLock.objects.get(key="held").limit == 1

@@ -77,11 +77,11 @@ def test_create_answers_201_with_the_schedule_and_its_beat_entry(api: APIClient)
 
 
 def test_create_an_interval_schedule_with_defaults(api: APIClient) -> None:
-    response = api.post(list_url(), {"name": "tick", "workflow": "test.fatal", "every": 30}, format="json")
+    response = api.post(list_url(), {"name": "tick", "workflow": "test.fatal", "every": 90}, format="json")
     assert response.status_code == 201, response.json()
     data = response.json()
-    assert (data["every"], data["cron"], data["input"], data["timezone"], data["enabled"]) == (30, "", {}, "UTC", True)
-    assert PeriodicTask.objects.get().interval.every == 30
+    assert (data["every"], data["cron"], data["input"], data["timezone"], data["enabled"]) == (90, "", {}, "UTC", True)
+    assert PeriodicTask.objects.get().interval.every == 90
 
 
 @pytest.mark.parametrize(
@@ -93,6 +93,7 @@ def test_create_an_interval_schedule_with_defaults(api: APIClient) -> None:
         ({"cron": None}, "every", "needs one of them"),
         ({"cron": None, "every": 0}, "every", "from 1 to"),
         ({"cron": None, "every": 2.5}, "every", "A valid integer is required."),
+        ({"cron": None, "every": 1}, "every", "at least 60 seconds (SCHEDULE_MIN_INTERVAL)"),
         ({"workflow": "no.such"}, "workflow", "No workflow is registered under the name 'no.such'"),
         ({"timezone": "Mars/Olympus"}, "timezone", "Unknown timezone 'Mars/Olympus'"),
         ({"concurrency_key": "k"}, "concurrency_limit", "needs a limit"),
@@ -119,8 +120,24 @@ def test_a_taken_name_answers_400(api: APIClient) -> None:
     assert create(api).status_code == 201
     response = create(api, cron="0 10 * * *")
     assert response.status_code == 400
-    assert "A schedule named 'digest' already exists" in response.json()["name"][0]
+    assert response.json()["name"] == ["The schedule name 'digest' is taken: choose another name."]
     assert models.Schedule.objects.get().cron == "0 9 * * *"
+
+
+def test_a_name_taken_by_another_tenant_gets_the_same_answer(settings: Any, django_user_model: Any) -> None:
+    # Schedule names are global: the answer says the name is taken, the same for a
+    # name of the tenant's own as for another tenant's, and nothing about the holder.
+    settings.DURABLE = {**settings.DURABLE, "API_NAMESPACE": TENANTS}
+    alice, bob = APIClient(), APIClient()
+    alice.force_authenticate(django_user_model.objects.create_user(username="alice"))
+    bob.force_authenticate(django_user_model.objects.create_user(username="bob"))
+    assert create(bob, name="digest").status_code == 201
+    assert create(alice, name="mine").status_code == 201
+    foreign, own = create(alice, name="digest"), create(alice, name="mine")
+    assert foreign.status_code == own.status_code == 400
+    assert foreign.json() == {"name": [own.json()["name"][0].replace("'mine'", "'digest'")]}
+    assert "exists" not in foreign.content.decode() and "bob" not in foreign.content.decode()
+    assert models.Schedule.objects.get(name="digest").namespace == "tenant-bob"
 
 
 def test_list_and_detail(api: APIClient) -> None:

@@ -3,6 +3,8 @@ DatabaseScheduler) fires a persisted schedule; its runs start and complete."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from durable import models, schedules
@@ -13,7 +15,8 @@ from tests.processes import WorkerProcesses
 pytestmark = [pytest.mark.postgres, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 
-def test_beat_fires_an_interval_schedule_and_its_runs_complete(worker_processes: WorkerProcesses) -> None:
+def test_beat_fires_an_interval_schedule_and_its_runs_complete(worker_processes: WorkerProcesses, settings: Any) -> None:
+    settings.DURABLE = {**settings.DURABLE, "SCHEDULE_MIN_INTERVAL": 1}  # one window a second, for a short test
     beat_worker = worker_processes.start("beat", beat=True)
     # Created after the worker started: beat picks it up from the database.
     schedule = schedules.create_schedule("beat-tick", "test.add", {"a": 2, "b": 3}, every=1)

@@ -74,6 +74,8 @@ def beat_rows() -> tuple[int, int, int, int]:
         ({"every": 1.5}, "interval_seconds", "whole number of seconds"),
         ({"every": True}, "interval_seconds", "whole number of seconds"),
         ({"every": 2**31}, "interval_seconds", "from 1 to 2147483647"),
+        ({"every": 1}, "interval_seconds", "at least 60 seconds (SCHEDULE_MIN_INTERVAL)"),
+        ({"every": 59}, "interval_seconds", "at least 60 seconds (SCHEDULE_MIN_INTERVAL)"),
         ({"cron": "0 9 * * *", "timezone": "Mars/Olympus"}, "timezone", "Unknown timezone 'Mars/Olympus'"),
         ({"timezone": ""}, "timezone", "Unknown timezone"),
         ({"concurrency_key": "sched:k"}, "concurrency_limit", "needs a limit"),
@@ -117,10 +119,52 @@ def test_every_error_is_reported_at_once() -> None:
 
 def test_a_taken_name_is_refused() -> None:
     make("digest")
-    with pytest.raises(exceptions.InvalidScheduleError, match="A schedule named 'digest' already exists"):
-        make("digest", every=30)
+    with pytest.raises(exceptions.InvalidScheduleError, match="The schedule name 'digest' is taken"):
+        make("digest", every=120)
     assert models.Schedule.objects.get().interval_seconds == 60
     assert PeriodicTask.objects.count() == 1
+
+
+def test_the_minimum_interval_is_a_setting(settings: Any) -> None:
+    settings.DURABLE = {**settings.DURABLE, "SCHEDULE_MIN_INTERVAL": 1}
+    assert make("fast", every=1).interval_seconds == 1  # a trusted deployment may allow 1 s
+    settings.DURABLE = {**settings.DURABLE, "SCHEDULE_MIN_INTERVAL": 7200}
+    with pytest.raises(exceptions.InvalidScheduleError, match=r"at least 7200 seconds \(SCHEDULE_MIN_INTERVAL\)"):
+        make("hourly", every=3600)
+    # An existing schedule keeps firing (and can be paused), but any change must bring it within the minimum.
+    assert schedules.fire(schedules.get_schedule("fast").pk).started  # type: ignore[union-attr]
+    assert not schedules.pause("fast").enabled
+    with pytest.raises(exceptions.InvalidScheduleError, match="SCHEDULE_MIN_INTERVAL"):
+        schedules.update_schedule("fast", input={"a": 2, "b": 2})
+    assert schedules.update_schedule("fast", every=7200, input={"a": 2, "b": 2}).interval_seconds == 7200
+
+
+@pytest.mark.parametrize(
+    ("cron", "shortest"),
+    [
+        ("* * * * *", "1 minute"),
+        ("*/30 * * * *", "30 minutes"),
+        ("0,1 9 * * *", "1 minute"),
+        ("0 0,23 * * *", "1 hour"),  # 23:00, then 00:00 the next day
+        ("0 */1 * * *", "1 hour"),
+    ],
+)
+def test_a_cron_schedule_firing_more_often_than_the_minimum_is_refused(
+    settings: Any, cron: str, shortest: str
+) -> None:
+    settings.DURABLE = {**settings.DURABLE, "SCHEDULE_MIN_INTERVAL": 7200}
+    with pytest.raises(exceptions.InvalidScheduleError) as caught:
+        make("often", cron=cron)
+    message = caught.value.errors["cron"][0]
+    assert f"fires {shortest} after" in message and "SCHEDULE_MIN_INTERVAL" in message
+    assert beat_rows() == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("cron", ["0 */2 * * *", "0 9 * * *", "0 0,23 * * 1", "0 9,12 * * 1-5"])
+def test_a_cron_schedule_within_the_minimum_is_accepted(settings: Any, cron: str) -> None:
+    # Monday 00:00 and 23:00 are 23 hours apart, and the next firing is a week later.
+    settings.DURABLE = {**settings.DURABLE, "SCHEDULE_MIN_INTERVAL": 7200}
+    assert make("often", cron=cron).cron == cron
 
 
 def test_a_bad_update_changes_nothing() -> None:
@@ -142,8 +186,11 @@ def test_the_model_clean_gives_the_same_messages_per_field() -> None:
     assert "Invalid cron expression '61 * * * *'" in errors["cron"][0]
     # The database constraints are not reported a second time in their own words.
     assert not any("Constraint" in m for messages in errors.values() for m in messages)
-    valid = models.Schedule(name="x", workflow="test.add", input={}, interval_seconds=5)
+    valid = models.Schedule(name="x", workflow="test.add", input={}, interval_seconds=300)
     valid.full_clean()
+    too_often = models.Schedule(name="x", workflow="test.add", input={}, interval_seconds=5)
+    with pytest.raises(ValidationError, match="SCHEDULE_MIN_INTERVAL"):
+        too_often.full_clean()
 
 
 def test_unknown_schedules_are_not_found() -> None:
@@ -257,6 +304,75 @@ def test_cron_day_of_month_and_day_of_week_both_apply_as_in_beat() -> None:
     assert schedules.window_of(schedule, datetime(2026, 12, 1, tzinfo=UTC)) == datetime(2026, 11, 13, 9, tzinfo=UTC)
 
 
+def windows(schedule: models.Schedule, start: datetime, end: datetime) -> list[datetime]:
+    """The distinct windows of ``schedule`` seen minute by minute from ``start`` to ``end``, in order."""
+    seen: list[datetime] = []
+    moment = start
+    while moment <= end:
+        window = schedules.window_of(schedule, moment)
+        assert window <= moment
+        assert not seen or window >= seen[-1], f"the window went back in time at {moment}"
+        if not seen or window != seen[-1]:
+            seen.append(window)
+        moment += timedelta(minutes=1)
+    return seen
+
+
+def utc(*args: int) -> datetime:
+    return datetime(*args, tzinfo=UTC)  # type: ignore[misc]
+
+
+def test_a_wall_clock_time_that_occurs_twice_fires_once_at_its_first_occurrence() -> None:
+    # Paris falls back on 2026-10-25: 03:00 CEST (01:00Z) becomes 02:00 CET, so
+    # 02:30 happens at 00:30Z and again at 01:30Z.
+    schedule = make("night", cron="30 2 * * *", timezone="Europe/Paris")
+    assert windows(schedule, utc(2026, 10, 24, 22), utc(2026, 10, 25, 4)) == [
+        utc(2026, 10, 24, 0, 30),  # yesterday's
+        utc(2026, 10, 25, 0, 30),  # 02:30 CEST, the first 02:30
+    ]
+    first = schedules.fire(schedule.pk, now=utc(2026, 10, 25, 0, 30, 5))
+    again = schedules.fire(schedule.pk, now=utc(2026, 10, 25, 1, 30, 5))  # beat firing at the second 02:30
+    assert first is not None and first.outcome is Outcome.STARTED
+    assert again is not None and again.outcome is Outcome.ALREADY_STARTED and again.run_id == first.run_id
+    assert first.run_id == "schedule:night:2026-10-25T00:30:00Z"
+    assert models.WorkflowRun.objects.count() == 1
+
+
+def test_a_wall_clock_time_that_does_not_exist_fires_once_shifted_by_the_gap() -> None:
+    # Paris springs forward on 2026-03-29: 02:00 CET (01:00Z) becomes 03:00 CEST, so
+    # there is no 02:30; it fires once, an hour later on the clock: 03:30 CEST (01:30Z).
+    schedule = make("night", cron="30 2 * * *", timezone="Europe/Paris")
+    assert windows(schedule, utc(2026, 3, 28, 22), utc(2026, 3, 29, 6)) == [
+        utc(2026, 3, 28, 1, 30),
+        utc(2026, 3, 29, 1, 30),
+    ]
+    assert schedules.window_of(schedule, utc(2026, 3, 29, 1, 10)) == utc(2026, 3, 28, 1, 30)  # 03:10 CEST
+
+
+@pytest.mark.parametrize(
+    ("cron", "start", "expected"),
+    [
+        # Hourly on the fall-back night: 02:00 happens once (00:00Z); the repeated hour adds no window.
+        ("0 * * * *", utc(2026, 10, 24, 22), [utc(2026, 10, 24, 22), utc(2026, 10, 24, 23), utc(2026, 10, 25, 0),
+                                             utc(2026, 10, 25, 2)]),
+        # Every 30 minutes: 02:00 and 02:30 CEST, then 03:00 CET (02:00Z).
+        ("*/30 * * * *", utc(2026, 10, 24, 23, 30), [utc(2026, 10, 24, 23, 30), utc(2026, 10, 25, 0),
+                                                    utc(2026, 10, 25, 0, 30), utc(2026, 10, 25, 2),
+                                                    utc(2026, 10, 25, 2, 30), utc(2026, 10, 25, 3),
+                                                    utc(2026, 10, 25, 3, 30), utc(2026, 10, 25, 4)]),
+        # Hourly on the spring-forward night: the missing 02:00 is 03:00 CEST, one window.
+        ("0 * * * *", utc(2026, 3, 28, 23), [utc(2026, 3, 28, 23), utc(2026, 3, 29, 0), utc(2026, 3, 29, 1),
+                                            utc(2026, 3, 29, 2), utc(2026, 3, 29, 3)]),
+        # 02:45 does not exist: shifted to 03:45 CEST (01:45Z), after 03:00 CEST (01:00Z).
+        ("45 2 * * *", utc(2026, 3, 28, 22), [utc(2026, 3, 28, 1, 45), utc(2026, 3, 29, 1, 45)]),
+        ("0,45 2,3 * * *", utc(2026, 3, 28, 23), [utc(2026, 3, 28, 2, 45), utc(2026, 3, 29, 1), utc(2026, 3, 29, 1, 45)]),
+    ],
+)
+def test_windows_across_both_daylight_saving_changes(cron: str, start: datetime, expected: list[datetime]) -> None:
+    schedule = make("dst", cron=cron, timezone="Europe/Paris")
+    assert windows(schedule, start, start + timedelta(hours=4, minutes=30)) == expected
+
+
 def test_an_interval_window_is_the_time_rounded_down_to_the_interval() -> None:
     schedule = make("tick", every=60)
     now = datetime(2026, 11, 30, 12, 34, 56, 789000, tzinfo=UTC)
@@ -281,10 +397,10 @@ def test_a_window_starts_a_run_with_the_deterministic_id() -> None:
 
 
 def test_a_null_input_is_stored_and_given_to_each_run() -> None:
-    schedule = schedules.create_schedule("nulls", "test.fatal", None, every=5)
-    schedules.update_schedule(schedule, every=10)  # and kept by an update
+    schedule = schedules.create_schedule("nulls", "test.fatal", None, every=300)
+    schedules.update_schedule(schedule, every=600)  # and kept by an update
     schedule.refresh_from_db()
-    assert schedule.input is None and schedule.interval_seconds == 10
+    assert schedule.input is None and schedule.interval_seconds == 600
     firing = schedules.fire(schedule.pk)
     assert firing is not None and firing.started and firing.handle is not None
     assert firing.handle.input is None
@@ -503,12 +619,12 @@ def form_data(**fields: Any) -> dict[str, Any]:
 
 def test_admin_changelist_shows_each_schedule(admin_client: Client) -> None:
     make("digest", cron="0 9 * * *", timezone="Europe/Paris", concurrency_key="tenant:acme", concurrency_limit=8)
-    make("tick", every=30)
+    make("tick", every=90)
     response = admin_client.get(SCHEDULES_URL)
     assert response.status_code == 200
     page = response.content.decode()
     assert [s.name for s in response.context["cl"].result_list] == ["digest", "tick"]
-    for text in ("cron 0 9 * * *", "Europe/Paris", "every 30s", "tenant:acme (limit 8)"):
+    for text in ("cron 0 9 * * *", "Europe/Paris", "every 90s", "tenant:acme (limit 8)"):
         assert text in page
 
 
