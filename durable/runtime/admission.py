@@ -51,7 +51,8 @@ def decide(
     less, or a lifetime cap (``count_statuses`` naming a terminal status) whose
     finished runs alone fill it. ``ancestors`` (a child start's parent, its
     parent...) are never cancelled for it; a child is not queued on a full key
-    one of its ancestors holds a slot of (the ancestor may wait for it forever).
+    one of its ancestors holds a slot of while it waits (``suspended`` counted):
+    that ancestor could wait for it forever.
     """
     full: list[tuple[Quota, int, int]] = []
     for quota in quotas:
@@ -123,7 +124,10 @@ def check_room(engine: Engine, workflow: str, quotas: Sequence[Quota]) -> None:
 
 
 def _holding_ancestor(engine: Engine, quota: Quota, ancestors: Sequence[RunRecord]) -> str | None:
-    """The first of ``ancestors`` that holds a slot of ``quota``'s key, or None."""
+    """The first of ``ancestors`` that holds a slot of ``quota``'s key while it
+    waits for its children (``suspended`` is counted), or None."""
+    if RunStatus.SUSPENDED not in quota.count_statuses:
+        return None  # a parent waiting for its child frees its slot
     for ancestor in ancestors:
         if ancestor.status in quota.count_statuses and quota.key in engine.store.run_keys(ancestor.run_id):
             return ancestor.run_id

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from django.db import connection, connections, transaction
 
-from durable import Concurrency, ConcurrencyLimitError, Engine, Strategy
+from durable import Concurrency, ConcurrencyLimitError, Engine, InMemoryStore, Strategy
 from durable.runtime import Registry
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -58,10 +58,10 @@ def test_threads_racing_on_a_brand_new_key_admit_exactly_the_limit() -> None:
 # -- an idempotent re-start racing the first start (CONTRACT section 5 rule 9) ----------------
 
 
-def _restart_engine(quota: Concurrency) -> Engine:
+def _restart_engine(quota: Concurrency, store: Any = None) -> Engine:
     registry = Registry()
     registry.register("w", "1", lambda ctx, input: None, quota)
-    return Engine(dispatch=lambda engine, run: None, registry=registry)
+    return Engine(store, dispatch=lambda engine, run: None, registry=registry)
 
 
 def wait_for_lock_waiters(count: int, timeout: float = 30) -> None:
@@ -137,14 +137,16 @@ def test_a_restart_waiting_for_the_first_start_returns_its_run(case: str) -> Non
     assert results["b"].run_id == run_id and results["b"].input == {"n": 1}
 
 
+@pytest.mark.parametrize("store", ["django", "memory"])
 @pytest.mark.parametrize("strategy", [Strategy.REJECT, Strategy.GROUP_ROUND_ROBIN])
-def test_threads_restarting_one_run_id_are_never_refused(strategy: Strategy) -> None:
+def test_threads_restarting_one_run_id_are_never_refused(strategy: Strategy, store: str) -> None:
     """N threads x the same run id, limit 1, several rounds: every start returns the
     run, exactly one is created per id, none is refused."""
     threads, rounds = 6, 10
     key = f"restart-race:{uuid.uuid4().hex}"
     max_queued = 0 if strategy is Strategy.GROUP_ROUND_ROBIN else None
-    engine = _restart_engine(Concurrency(key=key, limit=1, strategy=strategy, max_queued=max_queued))
+    quota = Concurrency(key=key, limit=1, strategy=strategy, max_queued=max_queued)
+    engine = _restart_engine(quota, InMemoryStore() if store == "memory" else None)
     barriers = [threading.Barrier(threads) for _ in range(rounds)]
     created: list[str] = []
     returned: list[str] = []
