@@ -5,10 +5,12 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from datetime import timedelta
 from typing import Any
 
 import pytest
 from django.db import connection, connections, transaction
+from django.utils import timezone
 
 from durable import Concurrency, ConcurrencyLimitError, Engine, InMemoryStore, Strategy
 from durable.runtime import Registry
@@ -179,3 +181,45 @@ def test_threads_restarting_one_run_id_are_never_refused(strategy: Strategy, sto
     assert refused == []
     assert sorted(created) == [f"{key}:{n}" for n in range(rounds)]
     assert len(returned) == (threads - 1) * rounds
+
+
+@pytest.mark.postgres
+def test_a_wake_up_queued_while_a_slot_frees_is_handed_that_slot() -> None:
+    """A suspended run wakes into a full key and is queued; the slot holder is cancelled
+    before that commits (its hand-off cannot see the queued run yet). The wake-up hands
+    the slot on after its commit, as a start does: the run does not wait for a sweep."""
+    key = f"wake:{uuid.uuid4().hex}"
+    quota = Concurrency(key=key, limit=1, count_statuses=("pending", "running"), strategy=Strategy.GROUP_ROUND_ROBIN)
+    engine = _restart_engine(quota)
+    sleeper = engine.start("w", {})
+    past = timezone.now() - timedelta(seconds=1)
+    assert engine.store.transition(
+        sleeper.run_id, from_statuses=["pending"], to="suspended", waiting_for="sleep", wake_at=past
+    )
+    holder = engine.start("w", {})  # "suspended" does not count: the key's slot is the holder's
+    assert holder.status == "pending"
+    queued, cancelled = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def wake() -> None:
+        try:
+            with transaction.atomic():
+                assert engine.executor.resume(sleeper.refresh().record, due=True)
+                queued.set()
+                assert cancelled.wait(30)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+            queued.set()
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=wake)
+    thread.start()
+    try:
+        assert queued.wait(30)
+        engine.cancel(holder.run_id)  # its hand-off runs now, before the wake-up commits
+    finally:
+        cancelled.set()
+        thread.join(60)
+    assert errors == []
+    assert sleeper.refresh().status == "pending"
