@@ -79,7 +79,7 @@ BEGIN
         END LOOP;
     END IF;
 
-    IF p_parent_run_id IS NOT NULL AND (NOT v_full OR p_run_id_given) THEN
+    IF p_parent_run_id IS NOT NULL AND NOT v_full THEN
         SELECT r.id INTO v_parent FROM durable_workflowrun r WHERE r.run_id = p_parent_run_id;
     END IF;
     IF NOT v_full OR p_run_id_given THEN
