@@ -115,10 +115,13 @@ def decide(
     return Decision(victims=list(victims.values()))
 
 
-def check_room(engine: Engine, workflow: str, quotas: Sequence[Quota]) -> None:
-    """Raise ``ConcurrencyLimitError`` for the first key (locked) at its limit."""
+def check_room(engine: Engine, workflow: str, quotas: Sequence[Quota], new_status: str) -> None:
+    """After a start created its run with ``new_status`` (its keys locked): raise
+    ``ConcurrencyLimitError`` for the first key that the new run takes over its limit."""
     for quota in quotas:
         active = engine.count_runs(quota.tag, quota.count_statuses)
+        if new_status in quota.count_statuses:
+            active -= 1  # the other runs
         if active >= quota.limit:
             raise exceptions.ConcurrencyLimitError(workflow=workflow, key=quota.key, limit=quota.limit, active=active)
 

@@ -314,12 +314,13 @@ class Engine:
             if decision.status == RunStatus.CANCELLED:
                 record.error = {"type": "durable.cancel_newest", "message": decision.reason}
                 record.finished_at = timezone.now()
+            self.store.create_run(record, [q.tag for q in quotas])  # first: a taken run id cancels nothing
             reason = f"Cancelled to make room for run {record.run_id!r} (CANCEL_IN_PROGRESS)."
             if not all([self._cancel(victim, reason=reason) for victim in decision.victims]):
-                # A victim ended meanwhile (it is no longer cancellable): room is made
-                # only if the keys are under their limits now; else nothing happens.
-                admission.check_room(self, workflow, quotas)
-            self.store.create_run(record, [q.tag for q in quotas])
+                # A victim ended meanwhile (it can no longer be cancelled): the start
+                # stands only if no key is over its limit now; else it is refused
+                # and the transaction rolls back (the cancels too).
+                admission.check_room(self, workflow, quotas, record.status)
             if record.status == RunStatus.PENDING:
                 # Direct admission moves the round-robin cursor as a hand-off does.
                 groups = group_keys([q.tag for q in quotas])

@@ -223,3 +223,58 @@ def test_a_wake_up_queued_while_a_slot_frees_is_handed_that_slot() -> None:
         thread.join(60)
     assert errors == []
     assert sleeper.refresh().status == "pending"
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("lifetime_cap", [True, False])
+def test_a_cancel_in_progress_victim_finishing_meanwhile_is_checked(lifetime_cap: bool) -> None:
+    """The victim chosen by a CANCEL_IN_PROGRESS start completes (in another transaction)
+    before the start can cancel it: the cancel fails, and the start stands only if the
+    key has room now. Under a lifetime cap the completed victim still counts: refused."""
+    key = f"victim:{uuid.uuid4().hex}"
+    counted = ("pending", "running", "suspended", "blocked") + (("completed",) if lifetime_cap else ())
+    engine = _restart_engine(Concurrency(key=key, limit=1, count_statuses=counted, strategy=Strategy.CANCEL_IN_PROGRESS))
+    victim = engine.start("w", {})
+    finishing, release = threading.Event(), threading.Event()
+    results: dict[str, Any] = {}
+    errors: list[BaseException] = []
+
+    def finish() -> None:
+        try:
+            with transaction.atomic():
+                assert engine.store.transition(victim.run_id, from_statuses=["pending"], to="completed")
+                finishing.set()
+                assert release.wait(30)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+            finishing.set()
+        finally:
+            connections.close_all()
+
+    def start() -> None:
+        try:
+            results["new"] = engine.start("w", {}, run_id=f"{key}:new")
+        except BaseException as exc:  # noqa: BLE001  (checked below)
+            results["error"] = exc
+        finally:
+            connections.close_all()
+
+    finisher = threading.Thread(target=finish)
+    finisher.start()
+    assert finishing.wait(30)
+    starter = threading.Thread(target=start)
+    starter.start()
+    try:
+        wait_for_lock_waiters(1)  # the start waits to cancel the victim, whose row the finisher holds
+    finally:
+        release.set()
+        finisher.join(60)
+        starter.join(60)
+    assert errors == []
+    assert victim.refresh().status == "completed"
+    if lifetime_cap:
+        assert isinstance(results.get("error"), ConcurrencyLimitError)
+        assert engine.store.get_run(f"{key}:new") is None
+    else:
+        assert "error" not in results and results["new"].status == "pending"
+    assert engine.count_runs(tag=f"concurrency:{key}", statuses=counted) == 1
