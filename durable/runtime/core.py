@@ -231,6 +231,11 @@ class Engine:
         Raises ``ConcurrencyLimitError`` (creating nothing) when a quota is full,
         ``InvalidStartError`` for bad input, ``UnknownWorkflowError``. ``version``
         picks a registered version (default: the one registered last).
+
+        A ``run_id`` that names a run returns it (never refused, even while that
+        run's own start is not committed yet). A child start (``parent_run_id``)
+        counts in its parent's namespace with its parent's fencing and never
+        cancels or queues behind its ancestors (see ``admission.decide``).
         """
         definition = self.registry.current(name) if version is None else self.registry.get(name, str(version))
         input = check_json(input, what="the workflow input")
