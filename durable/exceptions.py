@@ -31,10 +31,10 @@ class ConcurrencyLimitError(DurableError):
     limit: int
     active: int
 
-    def __init__(self, *, workflow: str, key: str, limit: int, active: int) -> None:
+    def __init__(self, *, workflow: str, key: str, limit: int, active: int, hint: str = "") -> None:
         super().__init__(
             f"Concurrency limit reached for key {key!r}: {active} of {limit} runs in flight "
-            f"(workflow {workflow!r}). Retry when one of them has finished.",
+            f"(workflow {workflow!r}). {hint or 'Retry when one of them has finished.'}",
             workflow=workflow,
             key=key,
             limit=limit,

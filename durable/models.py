@@ -47,6 +47,9 @@ class WorkflowRun(models.Model):
     updated_at = models.DateTimeField(db_default=Now())
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    #: The start counted its quotas in its namespace only (an engine with
+    #: ``scope_reads``); its children count theirs the same way.
+    fenced = models.BooleanField(default=False, db_default=False)
 
     objects = models.Manager.from_queryset(RunQuerySet)()
 

@@ -6,7 +6,7 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-    dependencies = [("durable", "0005_redispatches")]
+    dependencies = [("durable", "0006_admit_restart")]
 
     operations = [
         migrations.AlterField(

@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from durable import exceptions
 from durable.concurrency import TAG_PREFIX, Quota, Strategy
-from durable.status import RunStatus
+from durable.status import ACTIVE_STATUSES, TERMINAL_STATUSES, RunStatus
 from durable.stores.base import RunRecord
 
 if TYPE_CHECKING:
@@ -37,14 +37,22 @@ class Decision:
     reason: str = ""
 
 
-def decide(engine: Engine, workflow: str, quotas: Sequence[Quota]) -> Decision:
+def decide(
+    engine: Engine, workflow: str, quotas: Sequence[Quota], *, ancestors: Sequence[RunRecord] = ()
+) -> Decision:
     """Count every key (they are locked) and apply the strategies of the full ones.
 
     Precedence when several keys are full: REJECT raises; else CANCEL_NEWEST
     creates the run cancelled; else GROUP_ROUND_ROBIN queues it (or raises
     ``ConcurrencyQueueFullError`` past ``max_queued``); else CANCEL_IN_PROGRESS
     cancels the oldest in-flight runs of each full key and starts it.
-    A key whose limit is 0 or less can never make room: every strategy rejects.
+
+    Every strategy rejects a key that can never make room: a limit of 0 or
+    less, or a lifetime cap (``count_statuses`` naming a terminal status) whose
+    finished runs alone fill it. ``ancestors`` (a child start's parent, its
+    parent...) are never cancelled for it; a child is not queued on a full key
+    one of its ancestors holds a slot of while it waits (``suspended`` counted):
+    that ancestor could wait for it forever.
     """
     full: list[tuple[Quota, int, int]] = []
     for quota in quotas:
@@ -57,6 +65,12 @@ def decide(engine: Engine, workflow: str, quotas: Sequence[Quota]) -> Decision:
             full.append((quota, active, queued))
         if quota.limit <= 0 or (quota.strategy is Strategy.REJECT and active >= quota.limit):
             raise exceptions.ConcurrencyLimitError(workflow=workflow, key=quota.key, limit=quota.limit, active=active)
+        finished = [s for s in quota.count_statuses if s in TERMINAL_STATUSES]
+        if active >= quota.limit and finished and engine.count_runs(quota.tag, finished) >= quota.limit:
+            raise exceptions.ConcurrencyLimitError(
+                workflow=workflow, key=quota.key, limit=quota.limit, active=active,
+                hint="Its finished runs alone fill this lifetime cap: no start of this key can be admitted again.",
+            )  # fmt: skip
     if not full:
         return Decision()
     strategies = {quota.strategy for quota, _, _ in full}
@@ -70,14 +84,57 @@ def decide(engine: Engine, workflow: str, quotas: Sequence[Quota]) -> Decision:
                     workflow=workflow, key=quota.key, limit=quota.limit, active=active, queued=queued,
                     max_queued=quota.max_queued,
                 )  # fmt: skip
+            holder = _holding_ancestor(engine, quota, ancestors) if active >= quota.limit else None
+            if holder is not None:
+                raise exceptions.ConcurrencyLimitError(
+                    workflow=workflow, key=quota.key, limit=quota.limit, active=active,
+                    hint=f"Its ancestor run {holder!r} holds a slot of this key: a child queued behind it "
+                    "could wait for it forever, so it is refused instead.",
+                )  # fmt: skip
         return Decision(RunStatus.QUEUED)
     victims: dict[str, RunRecord] = {}
+    spared = {a.run_id for a in ancestors}
     for quota, active, _ in full:  # every one is CANCEL_IN_PROGRESS
-        in_flight = engine.store.list_runs(tag=quota.tag, statuses=quota.count_statuses, namespace=engine.read_namespace)
+        # Only runs that can be cancelled (not finished ones of a lifetime cap),
+        # never an ancestor of this start; none if cancelled runs count too.
+        statuses = [s for s in quota.count_statuses if s in ACTIVE_STATUSES]
+        in_flight: list[RunRecord] = []
+        if RunStatus.CANCELLED not in quota.count_statuses:
+            in_flight = engine.store.list_runs(tag=quota.tag, statuses=statuses, namespace=engine.read_namespace)
+            in_flight = [r for r in in_flight if r.run_id not in spared]
         in_flight.sort(key=lambda r: (r.created_at or timezone.now(), r.run_id))
-        for run in in_flight[: active - quota.limit + 1]:
+        needed = active - quota.limit + 1
+        if len(in_flight) < needed:
+            raise exceptions.ConcurrencyLimitError(
+                workflow=workflow, key=quota.key, limit=quota.limit, active=active,
+                hint="Cancelling the runs that may be cancelled for it (not finished runs, not its own "
+                "ancestors) cannot make room.",
+            )  # fmt: skip
+        for run in in_flight[:needed]:
             victims.setdefault(run.run_id, run)
     return Decision(victims=list(victims.values()))
+
+
+def check_room(engine: Engine, workflow: str, quotas: Sequence[Quota], new_status: str) -> None:
+    """After a start created its run with ``new_status`` (its keys locked): raise
+    ``ConcurrencyLimitError`` for the first key that the new run takes over its limit."""
+    for quota in quotas:
+        active = engine.count_runs(quota.tag, quota.count_statuses)
+        if new_status in quota.count_statuses:
+            active -= 1  # the other runs
+        if active >= quota.limit:
+            raise exceptions.ConcurrencyLimitError(workflow=workflow, key=quota.key, limit=quota.limit, active=active)
+
+
+def _holding_ancestor(engine: Engine, quota: Quota, ancestors: Sequence[RunRecord]) -> str | None:
+    """The first of ``ancestors`` that holds a slot of ``quota``'s key while it
+    waits for its children (``suspended`` is counted), or None."""
+    if RunStatus.SUSPENDED not in quota.count_statuses:
+        return None  # a parent waiting for its child frees its slot
+    for ancestor in ancestors:
+        if ancestor.status in quota.count_statuses and quota.key in engine.store.run_keys(ancestor.run_id):
+            return ancestor.run_id
+    return None
 
 
 class Promoter:

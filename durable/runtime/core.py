@@ -20,7 +20,7 @@ from durable.runtime import admission
 from durable.runtime.execution import Executor
 from durable.runtime.registry import Definition, Registry, WorkflowFn, default_registry
 from durable.status import ACTIVE_STATUSES, TERMINAL_STATUSES, RunStatus
-from durable.stores.base import RunExists, RunRecord, Store
+from durable.stores.base import RunExists, RunRecord, Store, group_keys
 from durable.util import check_json
 
 logger = logging.getLogger(__name__)
@@ -234,6 +234,11 @@ class Engine:
         Raises ``ConcurrencyLimitError`` (creating nothing) when a quota is full,
         ``InvalidStartError`` for bad input, ``UnknownWorkflowError``. ``version``
         picks a registered version (default: the one registered last).
+
+        A ``run_id`` that names a run returns it (never refused, even while that
+        run's own start is not committed yet). A child start (``parent_run_id``)
+        counts in its parent's namespace with its parent's fencing and never
+        cancels or queues behind its ancestors (see ``admission.decide``).
         """
         definition = self.registry.current(name) if version is None else self.registry.get(name, str(version))
         input = check_json(input, what="the workflow input")
@@ -243,6 +248,18 @@ class Engine:
             if existing is not None:
                 return self._restarted(existing, definition.name)
             _check_run_id(run_id)
+        ancestors = self._ancestors(parent_run_id)
+        if ancestors and (ancestors[0].namespace, ancestors[0].fenced) != (self.namespace, self.scope_reads):
+            # A child counts in its parent's namespace with its parent's fencing,
+            # whatever the fencing of the engine that executes the parent.
+            parent = ancestors[0]
+            engine = Engine(
+                self._store, namespace=parent.namespace, scope_reads=parent.fenced, dispatch=self.dispatch,
+                registry=self.registry,
+            )  # fmt: skip
+            return engine.start(
+                name, input, run_id, concurrency, version=definition.version, parent_run_id=parent_run_id
+            )
         specs = definition.concurrency if concurrency is None else _per_start(concurrency)
         quotas = _concurrency.resolve(specs, input)
         record = RunRecord(
@@ -254,16 +271,18 @@ class Engine:
             input=input,
             parent_run_id=parent_run_id,
             queue=definition.queue,
+            fenced=self.scope_reads,
         )
         tags = [q.tag for q in quotas]
+        given = run_id is not None
         try:
             admit = getattr(self.store, "admit", None)
             if not (
                 admit is not None
                 and all(q.strategy is _concurrency.Strategy.REJECT for q in quotas)
-                and admit(record, quotas, count_namespace=self.read_namespace)
+                and admit(record, quotas, count_namespace=self.read_namespace, run_id_given=given)
             ):
-                self._admit(definition.name, record, quotas)
+                self._admit(definition.name, record, quotas, run_id_given=given, ancestors=ancestors)
         except RunExists:
             # Another starter created the same explicit run id first.
             existing = self.store.get_run(record.run_id)
@@ -277,18 +296,61 @@ class Engine:
         record.tags = tags
         return RunHandle(self, record, created=True)
 
-    def _admit(self, workflow: str, record: RunRecord, quotas: Sequence[_concurrency.Quota]) -> None:
+    def _admit(
+        self,
+        workflow: str,
+        record: RunRecord,
+        quotas: Sequence[_concurrency.Quota],
+        *,
+        run_id_given: bool = False,
+        ancestors: Sequence[RunRecord] = (),
+    ) -> None:
         """The generic admission, through the store's ``admission``/``count_runs``:
-        lock the keys, count, apply the strategies, create the run."""
+        lock the keys, count, apply the strategies, create the run.
+
+        A refusal of a run id the caller chose first checks, under the locks,
+        whether a run has that id (a start of it may have committed while this
+        one waited): an idempotent re-start is never refused (``RunExists``).
+        """
         with self.store.admission(quotas):
-            decision = admission.decide(self, workflow, quotas)
+            try:
+                decision = admission.decide(self, workflow, quotas, ancestors=ancestors)
+            except exceptions.ConcurrencyLimitError:
+                if run_id_given and self._run_exists(record.run_id):
+                    raise RunExists(record.run_id) from None
+                raise
             record.status = decision.status
             if decision.status == RunStatus.CANCELLED:
                 record.error = {"type": "durable.cancel_newest", "message": decision.reason}
                 record.finished_at = timezone.now()
-            self.store.create_run(record, [q.tag for q in quotas])
-            for victim in decision.victims:  # CANCEL_IN_PROGRESS
-                self._cancel(victim, reason=f"Cancelled to make room for run {record.run_id!r} (CANCEL_IN_PROGRESS).")
+            self.store.create_run(record, [q.tag for q in quotas])  # first: a taken run id cancels nothing
+            reason = f"Cancelled to make room for run {record.run_id!r} (CANCEL_IN_PROGRESS)."
+            if not all([self._cancel(victim, reason=reason) for victim in decision.victims]):
+                # A victim ended meanwhile (it can no longer be cancelled): the start
+                # stands only if no key is over its limit now; else it is refused
+                # and the transaction rolls back (the cancels too).
+                admission.check_room(self, workflow, quotas, record.status)
+            if record.status == RunStatus.PENDING:
+                # Direct admission moves the round-robin cursor as a hand-off does.
+                groups = group_keys([q.tag for q in quotas])
+                for quota in quotas:
+                    if quota.strategy is _concurrency.Strategy.GROUP_ROUND_ROBIN:
+                        self.store.set_rr_cursor(quota.key, groups[quota.tag])
+
+    def _run_exists(self, run_id: str) -> bool:
+        run_exists = getattr(self.store, "run_exists", None)
+        return bool(run_exists(run_id)) if run_exists is not None else self.store.get_run(run_id) is not None
+
+    def _ancestors(self, parent_run_id: str | None) -> list[RunRecord]:
+        """The parent of a child start, its parent, and so on up to the root."""
+        chain: list[RunRecord] = []
+        while parent_run_id is not None and len(chain) < _MAX_DEPTH:
+            parent = self.store.get_run(parent_run_id)
+            if parent is None:
+                break
+            chain.append(parent)
+            parent_run_id = parent.parent_run_id
+        return chain
 
     def _restarted(self, existing: RunRecord, workflow: str) -> RunHandle:
         """An idempotent re-start returns the existing run, if it is this start's run."""
@@ -474,6 +536,8 @@ class EmitResult:
 
 
 _RETRYABLE = (RunStatus.FAILED, RunStatus.DEAD, RunStatus.CANCELLED)
+#: How many ancestors a child start looks at (a backstop against a cycle of parents).
+_MAX_DEPTH = 1000
 
 
 def _per_start(spec: _concurrency.ConcurrencySpec) -> tuple[_concurrency.Concurrency, ...]:

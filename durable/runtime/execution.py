@@ -270,7 +270,7 @@ class Executor:
         Where ``from_status`` held no slot of a key (it is not in the key's counted
         statuses) and that key is full now, the run is ``queued`` instead of
         ``pending``: it gets the key's next free slot, so coming back never takes a
-        key over its limit.
+        key over its limit. Its keys are handed on after commit, as a queued start's are.
         """
         engine = self.engine.in_namespace(run.namespace)
         settings_by_key = self.store.quota_settings(self.store.run_keys(run.run_id))
@@ -287,6 +287,10 @@ class Executor:
             )
         if moved and to == RunStatus.PENDING:
             self.engine.dispatch(self.engine, run)
+        elif moved:
+            # A slot may free between the count and the commit: hand it on, as a start does.
+            keys = [q.key for q in recount]
+            self.store.on_commit(lambda: engine.promoter.promote(keys))
         return moved
 
     def wake_due(self, run_id: str) -> bool:

@@ -1,7 +1,9 @@
 """The store protocol: everything the engine needs from persistence.
 
 ``DjangoStore`` (the default) and ``InMemoryStore`` implement it. A custom store
-may leave out ``count_runs``: the engine then counts with ``len(list_runs(...))``.
+may leave out ``count_runs``: the engine then counts with ``len(list_runs(...))``;
+and ``run_exists`` (whether a run has an id, once a start of that id not yet
+committed has ended): the engine then uses ``get_run``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class RunRecord:
     dispatched_at: datetime | None = None
     redispatches: int = 0
     tags: list[str] = field(default_factory=list)
+    #: The start counted its quotas in ``namespace`` only (``scope_reads``); its children count so too.
+    fenced: bool = False
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 _RECORD_FIELDS = (
     "run_id", "workflow", "version", "namespace", "status", "input", "output", "error",
     "attempt", "generation", "lease", "worker", "created_at", "updated_at", "started_at", "finished_at",
-    "heartbeat_at", "dispatched_at", "redispatches", "queue", "waiting_for", "wake_at",
+    "heartbeat_at", "dispatched_at", "redispatches", "queue", "waiting_for", "wake_at", "fenced",
 )  # fmt: skip
 
 
@@ -174,10 +174,16 @@ class DjangoStore:
             stale = Lock.objects.using(self.using).filter(~Q(limit=quota.limit) | ~Q(count_statuses=statuses))
             stale.filter(key=quota.key).update(limit=quota.limit, count_statuses=statuses)
 
-    def admit(self, record: RunRecord, quotas: Sequence[Quota], *, count_namespace: str | None) -> bool:
+    def admit(
+        self, record: RunRecord, quotas: Sequence[Quota], *, count_namespace: str | None, run_id_given: bool = False
+    ) -> bool:
         """The whole REJECT admission in one round trip, on PostgreSQL (the function
         ``durable_admit``): False when this database has no such path (use the
-        generic one). Raises ``ConcurrencyLimitError`` or ``RunExists``."""
+        generic one). Raises ``ConcurrencyLimitError`` or ``RunExists``.
+
+        ``run_id_given``: the caller chose the run id; a refusal then first makes
+        sure no run has it (waiting for a start of it not yet committed), and
+        raises ``RunExists`` if one has."""
         connection = connections[self.using]
         if connection.vendor != "postgresql":
             return False
@@ -189,17 +195,41 @@ class DjangoStore:
         ]
         with connection.cursor() as cursor:
             cursor.execute(
-                "SELECT * FROM durable_admit(%s::jsonb, %s, %s, %s, %s, %s, %s::jsonb, %s, %s)",
+                "SELECT * FROM durable_admit(%s::jsonb, %s, %s, %s, %s, %s, %s::jsonb, %s, %s, %s)",
                 [json.dumps(payload), count_namespace, record.run_id, record.workflow, record.version,
-                 record.namespace, json.dumps(record.input), record.parent_run_id, record.queue],
+                 record.namespace, json.dumps(record.input), record.parent_run_id, record.queue, run_id_given],
             )  # fmt: skip
             outcome, key, limit, active, _ = cursor.fetchone()
-        if outcome == "full":
-            self._note_limits(ordered)
+        if outcome == "full":  # the function recorded the refused limits already
             raise exceptions.ConcurrencyLimitError(workflow=record.workflow, key=key, limit=limit, active=active)
         if outcome == "exists":
             raise RunExists(record.run_id)
         return True
+
+    def run_exists(self, run_id: str) -> bool:
+        """Whether a run has this id, once any start of it not yet committed has ended.
+
+        On PostgreSQL a run inserted by a transaction still open is invisible, so
+        this inserts the id (ON CONFLICT DO NOTHING waits for that transaction)
+        and deletes its own row at once; inside an admission, that row is never
+        seen by anyone. SQLite's write lock already serialised the starts.
+        """
+        connection = connections[self.using]
+        if connection.vendor != "postgresql":
+            return bool(self._runs().filter(run_id=run_id).exists())
+        table = connection.ops.quote_name(_models().WorkflowRun._meta.db_table)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"INSERT INTO {table} (run_id, workflow, version, namespace, status, attempt, generation,"
+                " lease, worker, queue, waiting_for) VALUES (%s, '', '', '', 'pending', 0, 0, '', '', '', '')"
+                " ON CONFLICT (run_id) DO NOTHING RETURNING id",
+                [run_id],
+            )
+            row = cursor.fetchone()
+            if row is None:
+                return True
+            cursor.execute(f"DELETE FROM {table} WHERE id = %s", [row[0]])
+        return False
 
     def create_run(self, record: RunRecord, tags: Sequence[str]) -> None:
         parent_id = None
@@ -217,6 +247,7 @@ class DjangoStore:
             parent_id=parent_id,
             dispatched_at=timezone.now(),
             finished_at=record.finished_at,
+            fenced=record.fenced,
         )
         self._create_tags(run, tags)
 

@@ -87,6 +87,10 @@ class InMemoryStore:
                 self._quotas[quota.key] = (quota.limit, tuple(quota.count_statuses))
             yield
 
+    def run_exists(self, run_id: str) -> bool:
+        with self._lock:
+            return run_id in self._runs
+
     def create_run(self, record: RunRecord, tags: Sequence[str]) -> None:
         with self._lock:
             if record.run_id in self._runs:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
+from datetime import timedelta
+from typing import Any
 
 import pytest
-from django.db import connection, connections
+from django.db import connection, connections, transaction
+from django.utils import timezone
 
-from durable import Concurrency, ConcurrencyLimitError, Engine
+from durable import Concurrency, ConcurrencyLimitError, Engine, InMemoryStore, Strategy
 from durable.runtime import Registry
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -51,3 +55,226 @@ def test_threads_racing_on_a_brand_new_key_admit_exactly_the_limit() -> None:
     assert len(refused) == THREADS * STARTS_EACH - LIMIT
     assert set(refused) == {LIMIT}  # every refusal saw exactly the full key
     assert engine.count_runs(tag=f"concurrency:{key}") == LIMIT
+
+
+# -- an idempotent re-start racing the first start (CONTRACT section 5 rule 9) ----------------
+
+
+def _restart_engine(quota: Concurrency, store: Any = None) -> Engine:
+    registry = Registry()
+    registry.register("w", "1", lambda ctx, input: None, quota)
+    return Engine(store, dispatch=lambda engine, run: None, registry=registry)
+
+
+def wait_for_lock_waiters(count: int, timeout: float = 30) -> None:
+    """Poll until ``count`` other backends of this database wait for a lock (PostgreSQL)."""
+    deadline = time.monotonic() + timeout
+    with connections["default"].cursor() as cursor:
+        while True:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+            )
+            if cursor.fetchone()[0] >= count:
+                return
+            assert time.monotonic() < deadline, "the second start never waited for the first"
+            time.sleep(0.01)
+
+
+def _restart_quota(case: str, key: str) -> Concurrency:
+    if case == "reject":
+        return Concurrency(key=key, limit=1)
+    if case == "round-robin-max-queued":
+        return Concurrency(key=key, limit=1, strategy=Strategy.GROUP_ROUND_ROBIN, max_queued=0)
+    return Concurrency(key=lambda input: f"{key}:{input['n']}", limit=1)  # the re-start's key differs
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("case", ["reject", "round-robin-max-queued", "other-key"])
+def test_a_restart_waiting_for_the_first_start_returns_its_run(case: str) -> None:
+    """A holds its start of ``turn-42`` open in a transaction; B's start of the same id,
+    into a key that is full (by A's run, or by another run), waits for A and returns A's run instead of being refused."""
+    key = f"restart:{uuid.uuid4().hex}"
+    engine = _restart_engine(_restart_quota(case, key))
+    run_id = f"turn-42:{key}"
+    if case == "other-key":
+        engine.start("w", {"n": 2})  # B's key is full; A's key has room
+    started, holding = threading.Event(), threading.Event()
+    results: dict[str, Any] = {}
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            with transaction.atomic():
+                results["a"] = engine.start("w", {"n": 1}, run_id=run_id)
+                started.set()
+                assert holding.wait(30)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+            started.set()
+        finally:
+            connections.close_all()
+
+    def second() -> None:
+        try:
+            results["b"] = engine.start("w", {"n": 2}, run_id=run_id)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    a = threading.Thread(target=first)
+    a.start()
+    assert started.wait(30)
+    b = threading.Thread(target=second)
+    b.start()
+    try:
+        wait_for_lock_waiters(1)  # B waits for A's transaction
+    finally:
+        holding.set()
+        a.join(60)
+        b.join(60)
+    assert errors == []
+    assert results["a"].created and not results["b"].created
+    assert results["b"].run_id == run_id and results["b"].input == {"n": 1}
+
+
+@pytest.mark.parametrize("store", ["django", "memory"])
+@pytest.mark.parametrize("strategy", [Strategy.REJECT, Strategy.GROUP_ROUND_ROBIN])
+def test_threads_restarting_one_run_id_are_never_refused(strategy: Strategy, store: str) -> None:
+    """N threads x the same run id, limit 1, several rounds: every start returns the
+    run, exactly one is created per id, none is refused."""
+    threads, rounds = 6, 10
+    key = f"restart-race:{uuid.uuid4().hex}"
+    max_queued = 0 if strategy is Strategy.GROUP_ROUND_ROBIN else None
+    quota = Concurrency(key=key, limit=1, strategy=strategy, max_queued=max_queued)
+    engine = _restart_engine(quota, InMemoryStore() if store == "memory" else None)
+    barriers = [threading.Barrier(threads) for _ in range(rounds)]
+    created: list[str] = []
+    returned: list[str] = []
+    refused: list[str] = []
+    errors: list[BaseException] = []
+
+    def starter() -> None:
+        try:
+            for n, barrier in enumerate(barriers):
+                barrier.wait(timeout=30)
+                try:
+                    handle = engine.start("w", {}, run_id=f"{key}:{n}")
+                except ConcurrencyLimitError as exc:
+                    refused.append(str(exc))
+                    continue
+                (created if handle.created else returned).append(handle.run_id)
+                if handle.created:  # free the slot for the next round's id
+                    assert engine.store.transition(handle.run_id, from_statuses=["pending"], to="completed")
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    workers = [threading.Thread(target=starter) for _ in range(threads)]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join(120)
+    assert errors == []
+    assert refused == []
+    assert sorted(created) == [f"{key}:{n}" for n in range(rounds)]
+    assert len(returned) == (threads - 1) * rounds
+
+
+@pytest.mark.postgres
+def test_a_wake_up_queued_while_a_slot_frees_is_handed_that_slot() -> None:
+    """A suspended run wakes into a full key and is queued; the slot holder is cancelled
+    before that commits (its hand-off cannot see the queued run yet). The wake-up hands
+    the slot on after its commit, as a start does: the run does not wait for a sweep."""
+    key = f"wake:{uuid.uuid4().hex}"
+    quota = Concurrency(key=key, limit=1, count_statuses=("pending", "running"), strategy=Strategy.GROUP_ROUND_ROBIN)
+    engine = _restart_engine(quota)
+    sleeper = engine.start("w", {})
+    past = timezone.now() - timedelta(seconds=1)
+    assert engine.store.transition(
+        sleeper.run_id, from_statuses=["pending"], to="suspended", waiting_for="sleep", wake_at=past
+    )
+    holder = engine.start("w", {})  # "suspended" does not count: the key's slot is the holder's
+    assert holder.status == "pending"
+    queued, cancelled = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def wake() -> None:
+        try:
+            with transaction.atomic():
+                assert engine.executor.resume(sleeper.refresh().record, due=True)
+                queued.set()
+                assert cancelled.wait(30)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+            queued.set()
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=wake)
+    thread.start()
+    try:
+        assert queued.wait(30)
+        engine.cancel(holder.run_id)  # its hand-off runs now, before the wake-up commits
+    finally:
+        cancelled.set()
+        thread.join(60)
+    assert errors == []
+    assert sleeper.refresh().status == "pending"
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("lifetime_cap", [True, False])
+def test_a_cancel_in_progress_victim_finishing_meanwhile_is_checked(lifetime_cap: bool) -> None:
+    """The victim chosen by a CANCEL_IN_PROGRESS start completes (in another transaction)
+    before the start can cancel it: the cancel fails, and the start stands only if the
+    key has room now. Under a lifetime cap the completed victim still counts: refused."""
+    key = f"victim:{uuid.uuid4().hex}"
+    counted = ("pending", "running", "suspended", "blocked") + (("completed",) if lifetime_cap else ())
+    engine = _restart_engine(Concurrency(key=key, limit=1, count_statuses=counted, strategy=Strategy.CANCEL_IN_PROGRESS))
+    victim = engine.start("w", {})
+    finishing, release = threading.Event(), threading.Event()
+    results: dict[str, Any] = {}
+    errors: list[BaseException] = []
+
+    def finish() -> None:
+        try:
+            with transaction.atomic():
+                assert engine.store.transition(victim.run_id, from_statuses=["pending"], to="completed")
+                finishing.set()
+                assert release.wait(30)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+            finishing.set()
+        finally:
+            connections.close_all()
+
+    def start() -> None:
+        try:
+            results["new"] = engine.start("w", {}, run_id=f"{key}:new")
+        except BaseException as exc:  # noqa: BLE001  (checked below)
+            results["error"] = exc
+        finally:
+            connections.close_all()
+
+    finisher = threading.Thread(target=finish)
+    finisher.start()
+    assert finishing.wait(30)
+    starter = threading.Thread(target=start)
+    starter.start()
+    try:
+        wait_for_lock_waiters(1)  # the start waits to cancel the victim, whose row the finisher holds
+    finally:
+        release.set()
+        finisher.join(60)
+        starter.join(60)
+    assert errors == []
+    assert victim.refresh().status == "completed"
+    if lifetime_cap:
+        assert isinstance(results.get("error"), ConcurrencyLimitError)
+        assert engine.store.get_run(f"{key}:new") is None
+    else:
+        assert "error" not in results and results["new"].status == "pending"
+    assert engine.count_runs(tag=f"concurrency:{key}", statuses=counted) == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -13,6 +14,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from django.contrib.messages import get_messages
 from django.core.exceptions import ValidationError
+from django.db import connections
 from django.http import HttpResponse
 from django.test import Client
 from django.urls import reverse
@@ -426,6 +428,49 @@ def test_a_beat_double_fire_starts_exactly_one_run() -> None:
     third = schedules.fire(schedule.pk, now=now + timedelta(seconds=60))  # the next window
     assert third is not None and third.started and third.run_id != first.run_id
     assert models.WorkflowRun.objects.count() == 2
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_duplicate_fire_racing_the_first_reports_the_started_window() -> None:
+    """Two fires of each window at once (threads with their own connections), limit 1:
+    one starts the run, the other reports it already started, never a skipped window."""
+    schedule = make("race", every=60, concurrency_key="sched:race", concurrency_limit=1)
+    base = datetime(2026, 11, 30, 12, 0, 5, tzinfo=UTC)
+    outcomes: list[tuple[int, Outcome]] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def fire(window: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            firing = schedules.fire(schedule.pk, now=base + timedelta(minutes=window))
+            assert firing is not None
+            outcomes.append((window, firing.outcome))
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    for window in range(10):
+        threads = [threading.Thread(target=fire, args=(window,)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        # The window's run finishes: the next window has room.
+        run_id = schedules.window_run_id("race", schedules.window_of(schedule, base + timedelta(minutes=window)))
+        # (A worker another test left running in this process may be executing it.)
+        if not engine.store.transition(run_id, from_statuses=["pending", "running"], to="completed"):
+            assert engine.get_run(run_id).status == "completed"
+        schedule.refresh_from_db()
+        assert schedule.last_error == "", f"window {window}: {schedule.last_error}"
+    assert errors == []
+    for window in range(10):
+        assert sorted(o.value for w, o in outcomes if w == window) == sorted(
+            [Outcome.STARTED.value, Outcome.ALREADY_STARTED.value]
+        ), f"window {window}"
+    assert models.WorkflowRun.objects.count() == 10
 
 
 def test_a_paused_or_deleted_schedule_starts_nothing() -> None:

@@ -14,7 +14,8 @@ from durable import (
     RunStatus,
     Strategy,
 )
-from durable.exceptions import InvalidStartError
+from durable.exceptions import ChildWorkflowError, InvalidStartError
+from durable.runtime import Registry
 from tests.unit.conftest import RecordingDispatcher
 
 # Committed transactions: hand-offs run on commit, as in production.
@@ -250,3 +251,131 @@ def test_cel_non_string_or_missing_field_is_refused(engine: Engine, input: Any, 
     with pytest.raises(InvalidStartError, match=message):
         engine.start("w", input)
     assert engine.count_runs() == 0
+
+
+# -- issue 8: the strategies' corner cases ------------------------------------------------------
+
+LIFETIME = ("pending", "running", "suspended", "blocked", "completed")
+
+
+def test_cancel_in_progress_never_picks_a_finished_run_of_a_lifetime_cap(engine: Engine, store: Any) -> None:
+    quota = Concurrency(key="cap", limit=2, count_statuses=LIFETIME, strategy=CIP)
+    engine.register("w", "1", lambda ctx, input: None, concurrency=quota)
+    done = engine.start("w", {})
+    assert store.transition(done.run_id, from_statuses=["pending"], to="completed")
+    waiting = engine.start("w", {})
+    new = engine.start("w", {})
+    # The completed run cannot be cancelled: the pending one makes room.
+    assert statuses(engine, [done, waiting, new]) == ["completed", "cancelled", "pending"]
+    assert engine.count_runs(tag="concurrency:cap", statuses=LIFETIME) == 2
+
+
+def test_cancel_in_progress_refuses_when_cancelling_cannot_make_room(engine: Engine) -> None:
+    counted = ("pending", "running", "suspended", "blocked", "cancelled")  # a cancelled run still counts
+    engine.register("w", "1", lambda ctx, input: None, Concurrency(key="k", limit=2, count_statuses=counted, strategy=CIP))
+    first, second = engine.start("w", {}), engine.start("w", {})
+    with pytest.raises(ConcurrencyLimitError, match="cannot make room"):
+        engine.start("w", {}, run_id="refused")
+    assert statuses(engine, [first, second]) == ["pending", "pending"]  # nothing was cancelled
+    assert engine.store.get_run("refused") is None
+
+
+def _parent_and_child(engine: Engine, child_quota: Concurrency, parent_quota: Concurrency) -> None:
+    def parent(ctx: Any, input: Any) -> Any:
+        try:
+            return {"child": ctx.child("child", {})}
+        except ChildWorkflowError as exc:
+            return {"refused": type(exc.__cause__).__name__, "message": str(exc)}
+
+    engine.register("child", "1", lambda ctx, input: "done", child_quota)
+    engine.register("parent", "1", parent, parent_quota)
+
+
+def test_cancel_in_progress_child_never_cancels_its_parent(engine: Engine) -> None:
+    quota = Concurrency(key="k", limit=1, strategy=CIP)
+    _parent_and_child(engine, quota, quota)
+    parent = engine.start("parent", {})
+    engine.execute(parent.run_id)
+    # The parent holds the only slot and is no candidate: the child is refused, the parent told.
+    assert parent.refresh().status == "completed"
+    assert parent.output["refused"] == "ConcurrencyLimitError"
+    assert engine.list_runs(workflow="child") == []
+
+
+def test_cancel_in_progress_child_cancels_another_run_not_its_parent(engine: Engine) -> None:
+    quota = Concurrency(key="k", limit=2, strategy=CIP)
+    _parent_and_child(engine, quota, quota)
+    parent = engine.start("parent", {})
+    other = engine.start("child", {})  # a run of the key, older than the child, not an ancestor
+    engine.execute(parent.run_id)
+    assert other.refresh().status == "cancelled"
+    assert parent.refresh().status == "suspended"
+    (child,) = [h for h in engine.list_runs(workflow="child") if h.run_id != other.run_id]
+    assert child.status == "pending"
+
+
+def test_round_robin_child_on_its_parents_full_key_is_refused_not_queued(engine: Engine) -> None:
+    quota = Concurrency(key="k", limit=1, strategy=GRR)
+    _parent_and_child(engine, quota, quota)
+    parent = engine.start("parent", {})
+    engine.execute(parent.run_id)
+    # Queued behind its own suspended parent, the child would wait forever: refused at once.
+    assert parent.refresh().status == "completed"
+    assert parent.output["refused"] == "ConcurrencyLimitError"
+    assert "holds a slot of this key" in parent.output["message"]
+    assert engine.list_runs(workflow="child") == []
+
+
+def test_round_robin_child_queues_when_its_waiting_parent_frees_its_slot(engine: Engine) -> None:
+    # "suspended" not counted: the parent frees its slot while it waits, the child gets it.
+    quota = Concurrency(key="k", limit=1, count_statuses=("pending", "running", "blocked"), strategy=GRR)
+    _parent_and_child(engine, quota, quota)
+    parent = engine.start("parent", {})
+    engine.execute(parent.run_id)
+    assert parent.refresh().status == "suspended"
+    (child,) = engine.list_runs(workflow="child")
+    assert child.status == "pending"  # queued, then handed the slot its parent freed
+    complete(engine, child.run_id)
+    engine.execute(parent.run_id)
+    assert parent.refresh().output == {"child": "done"}
+
+
+def test_round_robin_direct_admission_moves_the_cursor(engine: Engine, dispatcher: RecordingDispatcher) -> None:
+    quotas = [Concurrency(key=tenant, limit=100, strategy=GRR), Concurrency(key="global", limit=1, strategy=GRR)]
+    engine.register("w", "1", lambda ctx, input: None, concurrency=quotas)
+    a1 = engine.start("w", {"tenant": "a"})  # admitted directly
+    a2, a3, b1 = (engine.start("w", {"tenant": t}) for t in "aab")
+    assert statuses(engine, [a1, a2, a3, b1]) == ["pending", "queued", "queued", "queued"]
+    complete(engine, a1.run_id)
+    # Tenant a was served last: the freed slot goes to b.
+    assert statuses(engine, [a2, a3, b1]) == ["queued", "queued", "pending"]
+
+
+@pytest.mark.parametrize("strategy", [GRR, CIP, NEWEST])
+def test_a_full_lifetime_cap_rejects_with_every_strategy(engine: Engine, store: Any, strategy: Strategy) -> None:
+    engine.register("w", "1", lambda ctx, input: None, Concurrency(key="cap", limit=1, count_statuses=LIFETIME, strategy=strategy))
+    done = engine.start("w", {})
+    assert store.transition(done.run_id, from_statuses=["pending"], to="completed")
+    # Its finished runs alone fill the cap: no run could ever make room, as with limit <= 0.
+    with pytest.raises(ConcurrencyLimitError, match="lifetime cap") as info:
+        engine.start("w", {}, run_id="never")
+    assert not isinstance(info.value, ConcurrencyQueueFullError)
+    assert engine.store.get_run("never") is None
+
+
+def test_a_child_counts_in_its_parents_namespace_with_its_parents_fencing(
+    store: Any, dispatcher: RecordingDispatcher
+) -> None:
+    registry = Registry()
+    t1 = Engine(store, namespace="t1", scope_reads=True, dispatch=dispatcher, registry=registry)
+    t2 = Engine(store, namespace="t2", scope_reads=True, dispatch=dispatcher, registry=registry)
+    worker = Engine(store, scope_reads=False, dispatch=dispatcher, registry=registry)  # as the docs recommend
+    _parent_and_child(t1, Concurrency(key="k", limit=1), Concurrency(key="p", limit=5))
+    t2.start("child", {})  # tenant t2's run of key k
+    assert t1.start("child", {}, run_id="direct").created  # fenced: t2's run is not counted
+    t1.cancel("direct")
+    parent = t1.start("parent", {})
+    worker.execute(parent.run_id)
+    (child,) = t1.list_runs(workflow="child", statuses=["pending"])
+    assert (child.namespace, child.record.parent_run_id) == ("t1", parent.run_id)
+    assert parent.refresh().status == "suspended"

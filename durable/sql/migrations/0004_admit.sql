@@ -1,0 +1,91 @@
+-- durable_admit: the whole REJECT admission of a start in one round trip (PostgreSQL).
+-- Installed by migration 0004; a change here needs a new migration that runs it again.
+--
+-- p_quotas: [{"key", "limit", "statuses": [...], "group"}], sorted by key.
+-- Returns one row: outcome 'created' (with the run's id), 'full' (key, limit,
+-- active of the first full key) or 'exists' (the run id is taken).
+--
+-- 1. Refuse at once, without waiting for any lock, when a key is already full:
+--    the committed count says so, and nothing is created.
+-- 2. Otherwise lock each key's row in key order, creating a missing row first
+--    (a row that does not exist locks nothing; INSERT ... ON CONFLICT DO NOTHING
+--    waits for a concurrent insert of the same key), and count again: this
+--    function is VOLATILE, so each statement sees what committed before it, in
+--    particular every start admitted while this one waited for the lock.
+-- 3. Insert the run and its tags, still holding the locks.
+CREATE OR REPLACE FUNCTION durable_admit(
+    p_quotas jsonb,
+    p_count_namespace text,
+    p_run_id text,
+    p_workflow text,
+    p_version text,
+    p_namespace text,
+    p_input jsonb,
+    p_parent_run_id text,
+    p_queue text
+) RETURNS TABLE (outcome text, full_key text, full_limit integer, active bigint, run_pk bigint)
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    q jsonb;
+    v_key text;
+    v_limit integer;
+    v_statuses text[];
+    v_active bigint;
+    v_parent bigint;
+    v_pk bigint;
+BEGIN
+    FOR q IN SELECT value FROM jsonb_array_elements(p_quotas) LOOP
+        v_key := q->>'key';
+        v_limit := (q->>'limit')::integer;
+        v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
+        SELECT count(*) INTO v_active FROM durable_runtag t
+         WHERE t.tag = 'concurrency:' || v_key AND t.status = ANY (v_statuses)
+           AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
+        IF v_active >= v_limit THEN
+            RETURN QUERY SELECT 'full'::text, v_key, v_limit, v_active, NULL::bigint;
+            RETURN;
+        END IF;
+    END LOOP;
+
+    FOR q IN SELECT value FROM jsonb_array_elements(p_quotas) LOOP
+        v_key := q->>'key';
+        v_limit := (q->>'limit')::integer;
+        v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
+        PERFORM 1 FROM durable_concurrencylock l WHERE l.key = v_key FOR UPDATE;
+        IF NOT FOUND THEN
+            INSERT INTO durable_concurrencylock (key, "limit", count_statuses, rr_cursor)
+            VALUES (v_key, v_limit, q->'statuses', '') ON CONFLICT (key) DO NOTHING;
+            PERFORM 1 FROM durable_concurrencylock l WHERE l.key = v_key FOR UPDATE;
+        END IF;
+        UPDATE durable_concurrencylock l SET "limit" = v_limit, count_statuses = q->'statuses'
+         WHERE l.key = v_key AND (l."limit" IS DISTINCT FROM v_limit OR l.count_statuses <> q->'statuses');
+        SELECT count(*) INTO v_active FROM durable_runtag t
+         WHERE t.tag = 'concurrency:' || v_key AND t.status = ANY (v_statuses)
+           AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
+        IF v_active >= v_limit THEN
+            RETURN QUERY SELECT 'full'::text, v_key, v_limit, v_active, NULL::bigint;
+            RETURN;
+        END IF;
+    END LOOP;
+
+    IF p_parent_run_id IS NOT NULL THEN
+        SELECT r.id INTO v_parent FROM durable_workflowrun r WHERE r.run_id = p_parent_run_id;
+    END IF;
+    INSERT INTO durable_workflowrun (
+        run_id, workflow, version, namespace, status, input, attempt, generation,
+        lease, worker, queue, waiting_for, dispatched_at, parent_id
+    ) VALUES (
+        p_run_id, p_workflow, p_version, p_namespace, 'pending', p_input, 0, 0,
+        '', '', p_queue, '', now(), v_parent
+    ) ON CONFLICT (run_id) DO NOTHING
+    RETURNING id INTO v_pk;
+    IF v_pk IS NULL THEN
+        RETURN QUERY SELECT 'exists'::text, NULL::text, NULL::integer, NULL::bigint, NULL::bigint;
+        RETURN;
+    END IF;
+    INSERT INTO durable_runtag (run_id, tag, status, namespace, group_key)
+    SELECT v_pk, 'concurrency:' || (e->>'key'), 'pending', p_namespace, e->>'group'
+      FROM jsonb_array_elements(p_quotas) AS e;
+    RETURN QUERY SELECT 'created'::text, NULL::text, NULL::integer, NULL::bigint, v_pk;
+END;
+$$;

@@ -1,0 +1,104 @@
+"""``durable_admit``: the installed function is the released file, and it answers
+each outcome as the generic ORM admission does."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.db import connection
+
+import durable
+from durable import Concurrency, ConcurrencyLimitError, Engine, InMemoryStore
+from durable.concurrency import resolve
+from durable.runtime import Registry
+from durable.stores.base import RunExists, RunRecord
+
+SQL = Path(durable.__file__).resolve().parent / "sql"
+
+
+def newest_migration_sql() -> Path:
+    return sorted((SQL / "migrations").glob("*.sql"))[-1]
+
+
+def normalise(sql: str) -> str:
+    """The function's body and signature, whitespace and comments aside."""
+    sql = re.sub(r"--[^\n]*", "", sql)
+    return " ".join(sql.split()).lower()
+
+
+def test_admit_sql_is_the_newest_versioned_file() -> None:
+    assert (SQL / "admit.sql").read_text() == newest_migration_sql().read_text()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_installed_function_is_the_newest_versioned_file() -> None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_get_functiondef(p.oid) FROM pg_proc p WHERE p.proname = 'durable_admit'")
+        rows = cursor.fetchall()
+    assert len(rows) == 1  # no older overload left behind
+    installed = normalise(rows[0][0])
+    body = normalise(newest_migration_sql().read_text())
+    # pg_get_functiondef spells the header its own way; the body between $$ is verbatim.
+    assert installed.split("$function$")[1] == body.split("$$")[1]
+    for parameter in re.findall(r"(p_\w+ \w+)", body.split("returns")[0]):
+        assert parameter in installed
+
+
+def _call(run_id: str, quotas: list[dict[str, Any]], *, given: bool) -> tuple[Any, ...]:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT * FROM durable_admit(%s::jsonb, NULL, %s, 'w', '1', 'default', '{}'::jsonb, NULL, '', %s)",
+            [json.dumps(quotas), run_id, given],
+        )
+        return tuple(cursor.fetchone())
+
+
+def _generic(engine: Engine, run_id: str, quota: Concurrency) -> str:
+    """The outcome of the generic admission (the ORM path) for the same start."""
+    quotas = resolve((quota,), {})
+    record = RunRecord(run_id=run_id, workflow="w", version="1", namespace="default", status="pending", input={})
+    try:
+        engine._admit("w", record, quotas, run_id_given=True)
+    except ConcurrencyLimitError:
+        return "full"
+    except RunExists:
+        return "exists"
+    return "created"
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("store", ["django", "memory"])
+def test_each_outcome_of_the_function_is_the_generic_paths(store: str) -> None:
+    engine = Engine(InMemoryStore() if store == "memory" else None, dispatch=lambda e, r: None, registry=Registry())
+    key = f"sql:{uuid.uuid4().hex}"
+    payload = [{"key": key, "limit": 1, "statuses": ["pending", "running"], "group": ""}]
+    # The ORM path on a key of its own (the same database for the django store).
+    quota = Concurrency(key=f"{key}:orm", limit=1, count_statuses=("pending", "running"))
+    # created: the key has room
+    outcome = _call(f"{key}:1", payload, given=True)
+    assert outcome[0] == "created" and outcome[4] is not None
+    assert _generic(engine, f"{key}:g1", quota) == "created"
+    # full: the key is at its limit, a fresh run id
+    assert _call(f"{key}:2", payload, given=False) == ("full", key, 1, 1, None)
+    assert _generic(engine, f"{key}:g2", quota) == "full"
+    # exists: the key is full, but the given run id is taken: a re-start, never refused
+    assert _call(f"{key}:1", payload, given=True)[0] == "exists"
+    assert _generic(engine, f"{key}:g1", quota) == "exists"
+    # exists when the key has room too
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE durable_runtag SET status = 'completed' WHERE tag = %s", [f"concurrency:{key}"])
+        cursor.execute("UPDATE durable_workflowrun SET status = 'completed' WHERE run_id LIKE %s", [f"{key}:%"])
+    assert _call(f"{key}:1", payload, given=True)[0] == "exists"
+    # a refusal of a given id that is free leaves nothing behind (its probe row is deleted)
+    _call(f"{key}:3", payload, given=True)
+    assert _call(f"{key}:4", payload, given=True)[0] == "full"
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM durable_workflowrun WHERE run_id = %s", [f"{key}:4"])
+        assert cursor.fetchone()[0] == 0
