@@ -83,7 +83,7 @@ def sent_task_ids(queue: str) -> list[str]:
 def resend_by_sweeper(settings: Any, queue: str, run_id: str) -> None:
     """Once the broker is back, the sweeper sends the pending run (it was never delivered)."""
     settings.DURABLE = {**settings.DURABLE, "REDISPATCH_AFTER": 0}
-    undelivered = [r.run_id for r in DjangoStore().undelivered_runs(dispatched_before=timezone.now())]
+    undelivered = [r.run_id for r in DjangoStore().undelivered_runs(dispatched_before=[timezone.now()])]
     assert run_id in undelivered
     report = engine.sweep()
     assert run_id in report["undelivered"]
