@@ -52,9 +52,10 @@ class WorkerProcesses:
         include: str = "tests.workflows",
         beat: bool = False,
         pool: str = "solo",
+        concurrency: int = 1,
         env: dict[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
-        args = [sys.executable, "-m", "celery", "-A", "testproject", "worker", f"--pool={pool}", "--concurrency=1",
+        args = [sys.executable, "-m", "celery", "-A", "testproject", "worker", f"--pool={pool}", f"--concurrency={concurrency}",
                 "--loglevel=INFO", f"--hostname={name}@%h", "--without-gossip", "--without-mingle",
                 f"--include={include}", f"--queues={queues or self.queue}"]  # fmt: skip
         if beat:  # django-celery-beat's DatabaseScheduler (the project's CELERY_BEAT_SCHEDULER)

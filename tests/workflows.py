@@ -112,3 +112,23 @@ class SlotHolderWorkflow(DurableWorkflow):
     def run(self, ctx: WorkflowContext, input: dict[str, Any]) -> dict[str, Any]:
         held = ctx.step("hold", hold, input["log"], input["name"], input["release"], input.get("die", False))
         return {"held": held}
+
+
+def logged_step(path: str, line: str, pause: float) -> str:
+    """Log ``line`` and take ``pause`` seconds (a step with some work in it)."""
+    import time
+
+    _log(path, line)
+    time.sleep(pause)
+    return line
+
+
+class ChaosWorkflow(DurableWorkflow):
+    """Four logged steps: the chaos test counts their calls across database outages."""
+
+    name = "test.chaos"
+
+    def run(self, ctx: WorkflowContext, input: dict[str, Any]) -> list[str]:
+        return [
+            ctx.step(f"s{i}", logged_step, input["log"], f"{ctx.run_id}:s{i}", input["pause"]) for i in range(4)
+        ]
