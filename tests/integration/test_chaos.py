@@ -16,7 +16,7 @@ import pytest
 
 from durable import engine
 from durable.models import StepRecord
-from durable.status import RunStatus, TERMINAL_STATUSES
+from durable.status import TERMINAL_STATUSES, RunStatus
 from durable.testing import wait_for
 from tests.concurrency.test_connection_loss import allow_connections, terminate_other_backends
 from tests.processes import WorkerProcesses
