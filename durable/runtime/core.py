@@ -174,13 +174,13 @@ class Engine:
         """The namespace reads and quota counts are fenced to, or None (every namespace)."""
         return self.namespace if self.scope_reads else None
 
-    def in_namespace(self, namespace: str) -> Engine:
-        """This engine for another namespace (same store, dispatcher, registry, fencing)."""
-        if namespace == self.namespace:
+    def in_namespace(self, namespace: str, *, scope_reads: bool | None = None) -> Engine:
+        """This engine for another namespace (same store, dispatcher and registry;
+        the same fencing unless ``scope_reads`` is given)."""
+        fencing = self._scope_reads if scope_reads is None else scope_reads
+        if namespace == self.namespace and fencing == self._scope_reads:
             return self
-        return Engine(
-            self._store, namespace=namespace, scope_reads=self._scope_reads, dispatch=self.dispatch, registry=self.registry
-        )
+        return Engine(self._store, namespace=namespace, scope_reads=fencing, dispatch=self.dispatch, registry=self.registry)
 
     # -- declaring -------------------------------------------------------------
     def register(
@@ -252,11 +252,7 @@ class Engine:
         if ancestors and (ancestors[0].namespace, ancestors[0].fenced) != (self.namespace, self.scope_reads):
             # A child counts in its parent's namespace with its parent's fencing,
             # whatever the fencing of the engine that executes the parent.
-            parent = ancestors[0]
-            engine = Engine(
-                self._store, namespace=parent.namespace, scope_reads=parent.fenced, dispatch=self.dispatch,
-                registry=self.registry,
-            )  # fmt: skip
+            engine = self.in_namespace(ancestors[0].namespace, scope_reads=ancestors[0].fenced)
             return engine.start(
                 name, input, run_id, concurrency, version=definition.version, parent_run_id=parent_run_id
             )
