@@ -28,7 +28,6 @@ def periodic_task_name(name: str) -> str:
     return PERIODIC_TASK_PREFIX + name
 
 
-
 def sync_periodic_task(schedule: models.Schedule) -> beat.PeriodicTask:
     """Make the schedule's ``PeriodicTask`` row say what the schedule says.
 
@@ -61,7 +60,6 @@ def sync_periodic_task(schedule: models.Schedule) -> beat.PeriodicTask:
         models.Schedule.objects.filter(pk=schedule.pk).update(periodic_task=task)
         schedule.periodic_task = task
     return task
-
 
 
 def delete_periodic_task(task_id: int | None) -> None:

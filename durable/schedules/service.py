@@ -211,7 +211,6 @@ def load(schedule: models.Schedule | str, *, lock: bool = False) -> models.Sched
     return found
 
 
-
 def when(schedule: models.Schedule) -> str:
     """``cron 0 9 * * *`` or ``every 60s``: when the schedule fires (the admin's "when" column)."""
     return f"cron {schedule.cron}" if schedule.cron else f"every {schedule.interval_seconds}s"

@@ -171,7 +171,6 @@ def validate(values: dict[str, Any], *, registry: Registry | None = None) -> dic
     return cleaned
 
 
-
 def _cron_problem(cron: str) -> str | None:
     fields = cron.split()
     if len(fields) != 5:
