@@ -171,7 +171,9 @@ class Schedule(models.Model):
     Driven by django-celery-beat: ``durable.schedules`` is the only writer of the
     ``PeriodicTask`` row behind each schedule. A schedule has a quota of its own
     (``concurrency_key``/``concurrency_limit``); a window refused by it is skipped
-    and written to ``last_error``.
+    and written to ``last_error``. Create and change schedules through
+    ``durable.schedules`` (which validates them, ``durable.schedules.validation``),
+    not by saving this model.
     """
 
     name = models.CharField(max_length=200, unique=True)
@@ -210,13 +212,3 @@ class Schedule(models.Model):
 
     def __str__(self) -> str:
         return self.name
-
-    def clean(self) -> None:
-        """The checks of ``durable.schedules.validate``, as field errors (for model forms).
-
-        Save through ``durable.schedules`` (``create_schedule``/``update_schedule``),
-        which also keeps the schedule's beat entry in step.
-        """
-        from durable import schedules
-
-        schedules.clean_instance(self)

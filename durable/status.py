@@ -20,6 +20,8 @@ class RunStatus(models.TextChoices):
 TERMINAL_STATUSES: frozenset[str] = frozenset(
     {RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.DEAD}
 )
+#: The statuses ``Engine.retry`` starts again.
+RETRYABLE_STATUSES: frozenset[str] = frozenset({RunStatus.FAILED, RunStatus.DEAD, RunStatus.CANCELLED})
 ACTIVE_STATUSES: tuple[str, ...] = tuple(s.value for s in RunStatus if s not in TERMINAL_STATUSES)
 ALL_STATUSES: frozenset[str] = frozenset(s.value for s in RunStatus)
 

@@ -41,7 +41,9 @@ class JSONValueField(serializers.Field):
     """Any JSON value the database can store as a run's input.
 
     Refuses what a JSON column cannot hold (NUL characters, lone surrogates,
-    non-finite numbers) and nesting deeper than ``MAX_INPUT_DEPTH``.
+    non-finite numbers) and nesting deeper than ``MAX_INPUT_DEPTH``. The engine
+    checks every input again with ``durable.util.check_json``; this field comes
+    first for its tighter depth limit and its per-case 400 messages.
     """
 
     default_error_messages = {

@@ -1,7 +1,7 @@
 """Tenant fencing: which engine serves an API request.
 
 With ``DURABLE["API_NAMESPACE"]`` set to the dotted path of ``fn(request) -> str``,
-every request gets ``Engine(namespace=fn(request), scope_reads=True)``: its runs
+every request gets ``durable.engine.in_namespace(fn(request), scope_reads=True)``: its runs
 are created in that namespace, and it reads, lists, cancels and counts quotas of
 that namespace only. ``fn`` may return ``None`` for a user that belongs to no
 namespace: the request is then refused (403). Without the setting, the default
@@ -24,8 +24,10 @@ from durable.conf import settings
 from durable.runtime.core import Engine
 
 
-def engine_for(request: Request) -> Engine:
-    """The engine of this request (call it after authentication)."""
+def request_engine(request: Request) -> Engine:
+    """The engine of this request (call it after authentication): the default
+    engine, or, with ``API_NAMESPACE``, the default engine in the request's
+    namespace with reads fenced to it."""
     base = durable.engine
     resolver = _resolver()
     if resolver is None:
@@ -39,13 +41,7 @@ def engine_for(request: Request) -> Engine:
             f'The function of DURABLE["API_NAMESPACE"] must return a namespace string of 1 to '
             f"{max_length} characters (or None to refuse the request), got {namespace!r}."
         )
-    return Engine(
-        base.store,
-        namespace=namespace,
-        scope_reads=True,
-        dispatch=base.dispatch,
-        registry=base.registry,
-    )
+    return base.in_namespace(namespace, scope_reads=True)
 
 
 def _resolver() -> Callable[[Request], Any] | None:

@@ -2,7 +2,7 @@
 
 Every view authenticates with the project's DRF authentication classes, checks
 ``DURABLE["API_PERMISSION_CLASSES"]`` and then serves the request with the
-engine of the request's tenant (``durable.api.tenancy.engine_for``).
+engine of the request's tenant (``durable.api.tenancy.request_engine``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class DurableAPIView(generics.GenericAPIView):
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
         super().initial(request, *args, **kwargs)  # authentication, permissions, throttling
-        self.engine = tenancy.engine_for(request)
+        self.engine = tenancy.request_engine(request)
 
     def get_exception_handler(self) -> Callable[[Exception, dict[str, Any]], Response | None]:
         # durable's errors are mapped here even when the project did not install

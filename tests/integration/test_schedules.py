@@ -13,14 +13,15 @@ from zoneinfo import ZoneInfo
 
 import pytest
 from django.contrib.messages import get_messages
-from django.core.exceptions import ValidationError
 from django.db import connections
+from django.db import models as django_models
 from django.http import HttpResponse
 from django.test import Client
 from django.urls import reverse
 from django_celery_beat.models import CrontabSchedule, IntervalSchedule, PeriodicTask, PeriodicTasks
 
 from durable import Concurrency, Strategy, engine, exceptions, models, schedules, tasks
+from durable.admin.schedules import ScheduleForm
 from durable.schedules import Outcome
 from durable.status import RunStatus
 from durable.testing import wait_for
@@ -179,20 +180,29 @@ def test_a_bad_update_changes_nothing() -> None:
     assert PeriodicTask.objects.get().date_changed == before
 
 
-def test_the_model_clean_gives_the_same_messages_per_field() -> None:
-    schedule = models.Schedule(name="x", workflow="no.such", cron="61 * * * *", timezone="UTC")
-    with pytest.raises(ValidationError) as caught:
-        schedule.full_clean()
-    errors = caught.value.message_dict
+def test_the_admin_form_gives_the_same_messages_per_field() -> None:
+    form = ScheduleForm(data=form_data(name="x", workflow="no.such", cron="61 * * * *", input="{}"))
+    assert not form.is_valid()
+    errors = form.errors
     assert "No workflow is registered under the name 'no.such'" in errors["workflow"][0]
     assert "Invalid cron expression '61 * * * *'" in errors["cron"][0]
     # The database constraints are not reported a second time in their own words.
     assert not any("Constraint" in m for messages in errors.values() for m in messages)
-    valid = models.Schedule(name="x", workflow="test.add", input={}, interval_seconds=300)
-    valid.full_clean()
-    too_often = models.Schedule(name="x", workflow="test.add", input={}, interval_seconds=5)
-    with pytest.raises(ValidationError, match="SCHEDULE_MIN_INTERVAL"):
-        too_often.full_clean()
+    valid = ScheduleForm(data=form_data(name="x", input="{}", interval_seconds="300"))
+    assert valid.is_valid(), valid.errors
+    too_often = ScheduleForm(data=form_data(name="x", input="{}", interval_seconds="5"))
+    assert not too_often.is_valid()
+    assert "SCHEDULE_MIN_INTERVAL" in too_often.errors["interval_seconds"][0]
+    assert models.Schedule.objects.count() == 0  # validating saves nothing
+
+
+def test_the_model_does_not_validate_through_the_service() -> None:
+    """models.py calls no service: Schedule has no clean() of its own (the admin form validates)."""
+    assert models.Schedule.clean is django_models.Model.clean
+    tree = ast.parse((ROOT / "durable" / "models.py").read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
+    imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not any("schedules" in name for name in imported)
 
 
 def test_unknown_schedules_are_not_found() -> None:
@@ -269,7 +279,7 @@ def test_a_deleted_periodic_task_is_recreated_by_the_next_change() -> None:
     assert models.Schedule.objects.get().periodic_task == PeriodicTask.objects.get()
 
 
-def test_only_durable_schedules_writes_django_celery_beat_rows() -> None:
+def test_only_durable_schedules_beat_writes_django_celery_beat_rows() -> None:
     """No other module of durable imports django_celery_beat (models.py names the
     PeriodicTask table for its foreign key only, as a string)."""
     importers = []
@@ -285,7 +295,14 @@ def test_only_durable_schedules_writes_django_celery_beat_rows() -> None:
                 modules = [node.module or ""]
             if any(m.split(".")[0] == "django_celery_beat" for m in modules):
                 importers.append(path.relative_to(ROOT).as_posix())
-    assert importers == ["durable/schedules.py"]
+    assert importers == ["durable/schedules/beat.py"]
+
+
+def test_beat_rows_send_the_fire_schedule_task() -> None:
+    """beat.py writes the task's name without importing durable.tasks (which imports schedules)."""
+    assert schedules.FIRE_SCHEDULE_TASK == tasks.FIRE_SCHEDULE_TASK == tasks.fire_schedule.name
+    make("digest")
+    assert PeriodicTask.objects.get().task == tasks.FIRE_SCHEDULE_TASK
 
 
 # -- windows and deterministic run ids -----------------------------------------------------
