@@ -1,4 +1,4 @@
-"""Machinery of ``manage.py durable_bench``: scratch databases, worker processes, sections.
+"""Machinery of ``python -m bench``: scratch databases, worker processes, sections.
 
 It lives beside the ``durable`` package, not in it: it is a development tool run
 from a checkout, and it drives benchmark-only packages (procrastinate, dbos:
@@ -15,5 +15,5 @@ Modules:
 - ``celery_worker``: the real Celery worker subprocess of (d).
 - ``handoff``: the workflow that worker runs (it imports the module).
 - ``report``: the table and the targets block.
-- ``runner``: puts them together for the command.
+- ``runner``: puts them together for ``__main__`` (``python -m bench``).
 """

@@ -29,7 +29,7 @@ def run(opts: Options, progress: Progress) -> Report:
             version = cursor.fetchone()[0]
         params = scratch.params
         report.header.append(
-            f"durable_bench: PostgreSQL {version} at {params.get('host', 'localhost')}:{params.get('port', 5432)}; "
+            f"python -m bench: PostgreSQL {version} at {params.get('host', 'localhost')}:{params.get('port', 5432)}; "
             f"scratch databases {', '.join([main, *copies, *empty])} (dropped at the end)"
         )
         report.header.append(_describe(opts))

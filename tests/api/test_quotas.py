@@ -179,7 +179,7 @@ def test_recording_a_refused_starts_limit_never_waits_for_the_keys_lock() -> Non
 
     registry = Registry()
     registry.register("w", "1", lambda ctx, input: None)
-    engine = Engine(dispatch=lambda engine, run_id: None, registry=registry)
+    engine = Engine(dispatch=lambda engine, run: None, registry=registry)
     for _ in range(2):
         engine.start("w", {}, concurrency=Concurrency(key="held", limit=2))
     locked, release = threading.Event(), threading.Event()

@@ -55,6 +55,7 @@ def test_malformed_signal_bodies_are_400(api: APIClient, body: Any) -> None:
     assert not Signal.objects.exists()
 
 
+@pytest.mark.worker
 @pytest.mark.django_db(transaction=True)
 def test_signal_over_http_completes_a_waiting_run_on_the_worker(api: APIClient, celery_worker: Any) -> None:
     parent = engine.start("test.approval_parent", {"n": 1})

@@ -57,7 +57,7 @@ def test_threads_racing_on_a_brand_new_key_admit_exactly_the_limit() -> None:
     assert engine.count_runs(tag=f"concurrency:{key}") == LIMIT
 
 
-# -- an idempotent re-start racing the first start (CONTRACT section 5 rule 9) ----------------
+# -- an idempotent re-start racing the first start (docs/explanation/quotas.md, rule 9) --------
 
 
 def _restart_engine(quota: Concurrency, store: Any = None) -> Engine:

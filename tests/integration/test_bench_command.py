@@ -1,4 +1,4 @@
-"""Smoke tests of ``manage.py durable_bench``: it runs and reports; no timing is asserted."""
+"""Smoke tests of the benchmark, ``python -m bench`` from the checkout: it runs and reports; no timing is asserted."""
 
 from __future__ import annotations
 
@@ -11,19 +11,23 @@ from pathlib import Path
 import psycopg
 import pytest
 from django.conf import settings
-from django.core.management import CommandError, call_command
-from django.db import connection
+from django.core.management import get_commands
 from psycopg.conninfo import make_conninfo
 
 ROOT = Path(__file__).resolve().parents[2]
 _OVER_ROW = re.compile(r"^b\s+over-admission after refusal storm\s+(?P<count>\d+)\s")
 
 
+def run_bench(*args: str, unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """``python -m bench <args>`` from the checkout's root, in a subprocess (without the variables ``unset``)."""
+    env = {k: v for k, v in os.environ.items() if k not in unset} | {"PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "bench", *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
 def bench(scratch: str, *args: str) -> list[str]:
-    """``manage.py durable_bench --quick --db-name <scratch> <args>`` in a subprocess; its output lines."""
-    command = [sys.executable, "manage.py", "durable_bench", "--quick", "--db-name", scratch, *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    """``python -m bench --quick --db-name <scratch> <args>``; its output lines."""
+    done = run_bench("--quick", "--db-name", scratch, *args)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert "targets" in lines
@@ -102,14 +106,21 @@ def test_hand_off_section_runs_a_celery_worker_and_prints_the_latencies() -> Non
 
 
 def test_hand_off_section_takes_only_a_redis_broker() -> None:
-    if connection.vendor != "postgresql":
-        pytest.skip("the command refuses SQLite before reading its options")
-    with pytest.raises(CommandError, match="Redis URL"):
-        call_command("durable_bench", "--only", "d", "--broker", "amqp://guest@localhost//")
+    done = run_bench("--only", "d", "--broker", "amqp://guest@localhost//")
+    assert done.returncode == 1
+    assert "--broker takes a Redis URL" in done.stderr
+    assert done.stdout == ""
 
 
 def test_refuses_sqlite() -> None:
-    if connection.vendor == "postgresql":
-        pytest.skip("checks the refusal on SQLite")
-    with pytest.raises(CommandError, match="PostgreSQL only"):
-        call_command("durable_bench", "--quick")
+    done = run_bench("--quick", "--only", "b", unset=("DATABASE_URL",))  # the test project's default: SQLite
+    assert done.returncode == 1
+    assert "PostgreSQL only; the 'default' database is sqlite" in done.stderr
+    assert done.stdout == ""
+
+
+def test_durable_installs_no_management_command() -> None:
+    """The benchmark is no management command: in a user's project it could only fail (it needs the checkout)."""
+    commands = get_commands()
+    assert "durable_bench" not in commands
+    assert sorted(name for name, app in commands.items() if app == "durable") == []

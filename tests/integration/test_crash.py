@@ -8,7 +8,7 @@ from durable import DEFAULT_CONCURRENCY_STATUSES, RunStatus, engine
 from durable.testing import wait_for
 from tests.processes import WorkerProcesses
 
-pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.postgres, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 
 def test_sigkilled_worker_run_resumes_on_a_new_worker(worker_processes: WorkerProcesses) -> None:

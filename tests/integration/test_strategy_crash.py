@@ -16,7 +16,7 @@ from durable.exceptions import RunFailedError
 from durable.testing import wait_for
 from tests.processes import WorkerProcesses
 
-pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.postgres, pytest.mark.worker, pytest.mark.django_db(transaction=True)]
 
 MAX_ATTEMPTS = 2
 

@@ -12,6 +12,7 @@ from tests.processes import WorkerProcesses
 from tests.remote_service import REMOTE_QUEUE
 
 
+@pytest.mark.worker
 @pytest.mark.django_db(transaction=True)
 def test_child_and_signal_on_the_in_process_worker(celery_worker: Any) -> None:
     parent = engine.start("test.approval_parent", {"n": 7})
@@ -26,6 +27,7 @@ def test_child_and_signal_on_the_in_process_worker(celery_worker: Any) -> None:
 
 
 @pytest.mark.postgres
+@pytest.mark.worker
 @pytest.mark.django_db(transaction=True)
 def test_sleep_survives_every_worker_restarting(worker_processes: WorkerProcesses) -> None:
     log = worker_processes.tmp_path / "calls.log"
@@ -46,6 +48,7 @@ def test_sleep_survives_every_worker_restarting(worker_processes: WorkerProcesse
 
 
 @pytest.mark.postgres
+@pytest.mark.worker
 @pytest.mark.django_db(transaction=True)
 def test_blocked_remote_run_resumes_when_a_worker_for_its_queue_starts(worker_processes: WorkerProcesses) -> None:
     engine.register_remote("test.remote_echo", "1", queue=REMOTE_QUEUE)

@@ -22,7 +22,7 @@ def _noop(ctx: Any, input: Any) -> None:
 @pytest.fixture(params=["django", "memory"])
 def engine(request: pytest.FixtureRequest) -> Engine:
     store = DjangoStore() if request.param == "django" else InMemoryStore()
-    return Engine(store, dispatch=lambda engine, run_id: None, registry=Registry())
+    return Engine(store, dispatch=lambda engine, run: None, registry=Registry())
 
 
 def assert_nothing_created(engine: Engine) -> None:

@@ -40,7 +40,7 @@ class Recorder:
 @pytest.fixture
 def queued(store: Any) -> Engine:
     """An engine whose runs wait until the test executes them."""
-    return Engine(store, dispatch=lambda engine, run_id: None, registry=Registry())
+    return Engine(store, dispatch=lambda engine, run: None, registry=Registry())
 
 
 def test_run_goes_pending_running_completed(queued: Engine) -> None:
@@ -192,7 +192,7 @@ def test_execution_of_a_live_running_run_is_skipped(queued: Engine, store: Any) 
 
 @pytest.mark.django_db(transaction=True)
 def test_cancel_frees_the_slot_at_once_and_stops_at_the_next_step(store: Any) -> None:
-    engine = Engine(store, dispatch=lambda engine, run_id: None, registry=Registry())
+    engine = Engine(store, dispatch=lambda engine, run: None, registry=Registry())
     in_step = threading.Event()
     release = threading.Event()
     recorder = Recorder()
@@ -285,7 +285,7 @@ def test_sweep_redispatches_orphaned_and_undelivered_runs(store: Any, settings: 
 
 def test_run_is_dead_after_max_attempts(store: Any, settings: Any) -> None:
     settings.DURABLE = {**settings.DURABLE, "MAX_ATTEMPTS": 2}
-    engine = Engine(store, dispatch=lambda engine, run_id: None, registry=Registry())
+    engine = Engine(store, dispatch=lambda engine, run: None, registry=Registry())
     engine.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(key="k", limit=1))
     handle = engine.start("w", {})
     for n in range(2):  # two workers died while running it

@@ -1,4 +1,4 @@
-"""CONTRACT section 5: one test per quota rule, on DjangoStore and InMemoryStore."""
+"""The quota rules (docs/explanation/quotas.md, "The rules"): one test per rule, on DjangoStore and InMemoryStore."""
 
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ from durable import (
 )
 from durable.exceptions import InvalidStartError
 from durable.runtime import Registry
+from durable.stores import RunRecord
 
 
 def _noop(ctx: Any, input: Any) -> Any:
     return None
 
 
-def _no_dispatch(engine: Engine, run_id: str) -> None:
+def _no_dispatch(engine: Engine, run: RunRecord) -> None:
     """Runs stay pending: these tests are about admission only."""
 
 

@@ -3,6 +3,7 @@ import pytest
 from durable import engine
 
 
+@pytest.mark.worker
 @pytest.mark.django_db(transaction=True)
 def test_run_completes_on_worker(celery_worker):
     handle = engine.start("test.add", {"a": 1, "b": 2})

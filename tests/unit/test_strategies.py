@@ -1,4 +1,4 @@
-"""CONTRACT section 6: the Hatchet strategies, several keys, CEL keys."""
+"""The Hatchet strategies (docs/how-to/strategies.md), several keys, CEL keys (docs/how-to/cel-keys.md)."""
 
 from __future__ import annotations
 

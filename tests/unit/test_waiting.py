@@ -1,4 +1,4 @@
-"""Sleep, signals, child workflows, events, remote queues and versions (CONTRACT 5.12, 7, 8)."""
+"""Sleep, signals, child workflows, events, remote queues and versions (their pages in docs/how-to/)."""
 
 from __future__ import annotations
 
