@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from durable import tasks as _tasks
 from durable.concurrency import Concurrency, Strategy
 from durable.exceptions import (
     ChildWorkflowError,
@@ -12,13 +13,17 @@ from durable.exceptions import (
     RunNotFound,
 )
 from durable.runtime import DurableWorkflow, Engine, RunHandle, WorkflowContext
+from durable.runtime import dispatch as _dispatch
 from durable.status import DEFAULT_CONCURRENCY_STATUSES, RunStatus
 from durable.stores import DjangoStore, InMemoryStore
 
 __version__ = "0.1.0"
 
+# Engines built without a dispatcher send their runs to Celery workers.
+_dispatch.set_default(_tasks.CeleryDispatcher())
+
 #: The default engine (``DjangoStore``, Celery execution, settings from ``DURABLE``).
-engine = Engine()
+engine = Engine(dispatch=_dispatch.default())
 
 __all__ = [
     "DEFAULT_CONCURRENCY_STATUSES",

@@ -1,4 +1,4 @@
-"""Thin Celery tasks: they take ids and call the engine.
+"""Thin Celery tasks (they take ids and call the engine) and the Celery dispatcher.
 
 Messages are JSON, acknowledged late and requeued when the worker process dies,
 so a crash never loses a run; the engine's compare-and-set claim makes a
@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Task, shared_task
 from celery.signals import worker_ready
 from kombu.exceptions import OperationalError
 
 from durable.conf import settings
+from durable.runtime import dispatch
+
+if TYPE_CHECKING:
+    from durable.runtime.engine import Engine
+    from durable.stores.base import RunRecord
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +158,31 @@ def live_queues(timeout: float = 1.0) -> list[str]:
     """The queues that live Celery workers consume (asks them; waits ``timeout`` seconds)."""
     replies = execute_run.app.control.inspect(timeout=timeout).active_queues() or {}
     return sorted({queue["name"] for queues in replies.values() for queue in queues})
+
+
+class CeleryDispatcher(dispatch.Dispatcher):
+    """Send the run's id to a Celery worker once the current transaction commits.
+
+    The task id is ``<run id>:<generation>``, so cancelling a run can revoke its
+    messages (those not yet started are dropped) without touching a later retry's.
+    Sends and revokes run after the commit, so they never raise: a failure is
+    logged and a run left ``pending`` is sent again by the sweeper.
+    """
+
+    def send(self, engine: Engine, run: RunRecord) -> None:
+        run_id, queue = run.run_id, run.queue
+        message_id = task_id(run.run_id, run.generation)
+        engine.store.on_commit(lambda: send_run(run_id, task_id=message_id, queue=queue))
+
+    def revoke(self, engine: Engine, run: RunRecord) -> None:
+        message_id = task_id(run.run_id, run.generation)
+        engine.store.on_commit(lambda: revoke(message_id))
+
+    def wake_later(self, engine: Engine, run: RunRecord, eta: datetime) -> None:
+        send_wake(run.run_id, eta=eta, queue=run.queue)
+
+    def live_queues(self) -> list[str]:
+        return live_queues()
 
 
 @worker_ready.connect

@@ -21,7 +21,7 @@ from rest_framework.request import Request
 import durable
 from durable import models
 from durable.conf import settings
-from durable.runtime.core import Engine
+from durable.runtime.engine import Engine
 
 
 def request_engine(request: Request) -> Engine:

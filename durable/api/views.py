@@ -21,7 +21,7 @@ from rest_framework.serializers import BaseSerializer
 from durable import exceptions, models, querysets, quotas, schedules
 from durable.api import errors, pagination, parsers, permissions, serializers, tenancy
 from durable.concurrency import MAX_KEY_LENGTH
-from durable.runtime.core import MAX_RUN_ID_LENGTH, Engine, RunHandle
+from durable.runtime.engine import MAX_RUN_ID_LENGTH, Engine, RunHandle
 
 
 def runs(engine: Engine) -> querysets.RunQuerySet:

@@ -3,29 +3,42 @@
 ``decide`` runs inside the admission transaction, with every key of the start
 locked: it counts and returns what to create. ``Promoter`` hands freed slots to
 queued runs (``GROUP_ROUND_ROBIN``), round-robin across the groups queued on a key.
+Both work on a ``Scope`` (the store, the namespace slots are counted in, and how
+to send a run it started), not on the engine.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from django.utils import timezone
 
 from durable import exceptions
 from durable.concurrency import TAG_PREFIX, Quota, Strategy
 from durable.status import ACTIVE_STATUSES, TERMINAL_STATUSES, RunStatus
-from durable.stores.base import RunRecord
-
-if TYPE_CHECKING:
-    from durable.runtime.core import Engine
+from durable.stores.base import BaseStore, RunRecord
 
 logger = logging.getLogger(__name__)
 
 #: How many hand-offs one release may make at most (a backstop, not a limit users meet).
 MAX_HANDOFFS = 10_000
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What admission needs of an engine: its ``store``, the ``namespace`` its
+    quotas count in (None: every namespace), and ``send``, which hands a run it
+    made ``pending`` to the engine's dispatcher."""
+
+    store: BaseStore
+    namespace: str | None
+    send: Callable[[RunRecord], None]
+
+    def count(self, tag: str, statuses: Sequence[str]) -> int:
+        """The runs tagged ``tag`` in ``statuses``: what a quota counts."""
+        return int(self.store.count_runs(tag=tag, statuses=statuses, namespace=self.namespace))
 
 
 @dataclass
@@ -38,7 +51,7 @@ class Decision:
 
 
 def decide(
-    engine: Engine, workflow: str, quotas: Sequence[Quota], *, ancestors: Sequence[RunRecord] = ()
+    scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: Sequence[RunRecord] = ()
 ) -> Decision:
     """Count every key (they are locked) and apply the strategies of the full ones.
 
@@ -56,17 +69,17 @@ def decide(
     """
     full: list[tuple[Quota, int, int]] = []
     for quota in quotas:
-        active = engine.count_runs(quota.tag, quota.count_statuses)
+        active = scope.count(quota.tag, quota.count_statuses)
         queued = 0
         if quota.strategy is Strategy.GROUP_ROUND_ROBIN:
             # Runs queued before this one go first: room is theirs.
-            queued = engine.count_runs(quota.tag, [RunStatus.QUEUED])
+            queued = scope.count(quota.tag, [RunStatus.QUEUED])
         if active >= quota.limit or queued:
             full.append((quota, active, queued))
         if quota.limit <= 0 or (quota.strategy is Strategy.REJECT and active >= quota.limit):
             raise exceptions.ConcurrencyLimitError(workflow=workflow, key=quota.key, limit=quota.limit, active=active)
         finished = [s for s in quota.count_statuses if s in TERMINAL_STATUSES]
-        if active >= quota.limit and finished and engine.count_runs(quota.tag, finished) >= quota.limit:
+        if active >= quota.limit and finished and scope.count(quota.tag, finished) >= quota.limit:
             raise exceptions.ConcurrencyLimitError(
                 workflow=workflow, key=quota.key, limit=quota.limit, active=active,
                 hint="Its finished runs alone fill this lifetime cap: no start of this key can be admitted again.",
@@ -84,7 +97,7 @@ def decide(
                     workflow=workflow, key=quota.key, limit=quota.limit, active=active, queued=queued,
                     max_queued=quota.max_queued,
                 )  # fmt: skip
-            holder = _holding_ancestor(engine, quota, ancestors) if active >= quota.limit else None
+            holder = _holding_ancestor(scope.store, quota, ancestors) if active >= quota.limit else None
             if holder is not None:
                 raise exceptions.ConcurrencyLimitError(
                     workflow=workflow, key=quota.key, limit=quota.limit, active=active,
@@ -100,7 +113,7 @@ def decide(
         statuses = [s for s in quota.count_statuses if s in ACTIVE_STATUSES]
         in_flight: list[RunRecord] = []
         if RunStatus.CANCELLED not in quota.count_statuses:
-            in_flight = engine.store.list_runs(tag=quota.tag, statuses=statuses, namespace=engine.read_namespace)
+            in_flight = scope.store.list_runs(tag=quota.tag, statuses=statuses, namespace=scope.namespace)
             in_flight = [r for r in in_flight if r.run_id not in spared]
         in_flight.sort(key=lambda r: (r.created_at or timezone.now(), r.run_id))
         needed = active - quota.limit + 1
@@ -115,24 +128,24 @@ def decide(
     return Decision(victims=list(victims.values()))
 
 
-def check_room(engine: Engine, workflow: str, quotas: Sequence[Quota], new_status: str) -> None:
+def check_room(scope: Scope, workflow: str, quotas: Sequence[Quota], new_status: str) -> None:
     """After a start created its run with ``new_status`` (its keys locked): raise
     ``ConcurrencyLimitError`` for the first key that the new run takes over its limit."""
     for quota in quotas:
-        active = engine.count_runs(quota.tag, quota.count_statuses)
+        active = scope.count(quota.tag, quota.count_statuses)
         if new_status in quota.count_statuses:
             active -= 1  # the other runs
         if active >= quota.limit:
             raise exceptions.ConcurrencyLimitError(workflow=workflow, key=quota.key, limit=quota.limit, active=active)
 
 
-def _holding_ancestor(engine: Engine, quota: Quota, ancestors: Sequence[RunRecord]) -> str | None:
+def _holding_ancestor(store: BaseStore, quota: Quota, ancestors: Sequence[RunRecord]) -> str | None:
     """The first of ``ancestors`` that holds a slot of ``quota``'s key while it
     waits for its children (``suspended`` is counted), or None."""
     if RunStatus.SUSPENDED not in quota.count_statuses:
         return None  # a parent waiting for its child frees its slot
     for ancestor in ancestors:
-        if ancestor.status in quota.count_statuses and quota.key in engine.store.run_keys(ancestor.run_id):
+        if ancestor.status in quota.count_statuses and quota.key in store.run_keys(ancestor.run_id):
             return ancestor.run_id
     return None
 
@@ -140,8 +153,8 @@ def _holding_ancestor(engine: Engine, quota: Quota, ancestors: Sequence[RunRecor
 class Promoter:
     """Hands the free slots of keys to their queued runs."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, scope: Scope) -> None:
+        self.scope = scope
 
     def promote(self, keys: Sequence[str]) -> list[str]:
         """Start queued runs of ``keys`` while those keys have room; return the run ids started.
@@ -170,9 +183,9 @@ class Promoter:
         the heads again, or the slot freed by this promoter's release would stay
         free while runs wait.
         """
-        store = self.engine.store
+        store = self.scope.store
         for _ in range(MAX_HANDOFFS):
-            heads = store.queued_heads(TAG_PREFIX + key, namespace=self.engine.read_namespace)
+            heads = store.queued_heads(TAG_PREFIX + key, namespace=self.scope.namespace)
             if not heads:
                 return None, False
             known = store.quota_settings([key])
@@ -204,7 +217,7 @@ class Promoter:
         limit, statuses = settings.get(key, (None, ()))
         if limit is None or not statuses:
             return False
-        return self.engine.count_runs(TAG_PREFIX + key, statuses) >= limit
+        return self.scope.count(TAG_PREFIX + key, statuses) >= limit
 
     def _try_start(
         self, key: str, group: str, run_id: str, known: Mapping[str, tuple[int | None, tuple[str, ...]]]
@@ -215,7 +228,7 @@ class Promoter:
         ``key``), "key full", "other key full" (another key of the run), "gone".
         ``known``: quota settings already read, by key.
         """
-        engine, store = self.engine, self.engine.store
+        store = self.scope.store
         keys = store.run_keys(run_id)
         settings = {k: known[k] for k in keys if k in known}
         missing = [k for k in keys if k not in known]
@@ -229,7 +242,7 @@ class Promoter:
         room = None  # free slots of ``key`` before this start, when it has a quota
         with store.admission(quotas):
             for quota in quotas:
-                active = engine.count_runs(quota.tag, quota.count_statuses)
+                active = self.scope.count(quota.tag, quota.count_statuses)
                 if active >= quota.limit:
                     return "key full" if quota.key == key else "other key full"
                 if quota.key == key:
@@ -239,7 +252,7 @@ class Promoter:
             store.set_rr_cursor(key, group)
         record = store.get_run(run_id)
         if record is not None:
-            engine.dispatch(engine, record)
+            self.scope.send(record)
         logger.debug("Handed a slot of %s to queued run %s (group %r).", key, run_id, group)
         return "filled" if room == 1 else "started"
 

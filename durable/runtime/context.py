@@ -19,7 +19,7 @@ from durable.stores.base import RunRecord, StepEntry
 from durable.util import check_json, describe_error
 
 if TYPE_CHECKING:
-    from durable.runtime.core import Engine, RunHandle
+    from durable.runtime.engine import Engine, RunHandle
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +122,7 @@ class WorkflowContext:
                 logger.info("Step %r of run %s failed (attempt %d), retrying in %.2fs: %s",
                             name, self.run_id, attempt, delay, exc)  # fmt: skip
                 time.sleep(max(0.0, delay))
-                recover = getattr(self.engine.store, "recover", None)
-                if recover is not None:
-                    recover()  # a step that lost its database connection retries on a fresh one
+                self.engine.store.recover()  # a step that lost its database connection retries on a fresh one
                 self._ensure_running()
                 continue
             self._record(StepEntry(position, name, "completed", output=output, attempts=attempt, started_at=started))

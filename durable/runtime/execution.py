@@ -24,11 +24,11 @@ from durable.concurrency import Quota
 from durable.conf import settings
 from durable.runtime.context import WorkflowContext
 from durable.status import RunStatus
-from durable.stores.base import RunRecord, redispatch_cutoffs
+from durable.stores.base import BaseStore, RunRecord, redispatch_cutoffs
 from durable.util import check_json, describe_error
 
 if TYPE_CHECKING:
-    from durable.runtime.core import Engine
+    from durable.runtime.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class Executor:
         self.engine = engine
 
     @property
-    def store(self) -> Any:
+    def store(self) -> BaseStore:
         return self.engine.store
 
     # -- one execution ---------------------------------------------------------------------
@@ -153,11 +153,9 @@ class Executor:
 
     def _recover(self) -> None:
         """Let the store drop a connection an error left unusable (the next call reconnects)."""
-        recover = getattr(self.store, "recover", None)
-        if recover is not None:
-            try:
-                recover()
-            except Exception:  # closing a dead connection may fail too; the next call reconnects
+        try:
+            self.store.recover()
+        except Exception:  # closing a dead connection may fail too; the next call reconnects
                 logger.debug("Could not close the store's connection", exc_info=True)
 
     def _owns(self, run_id: str, lease: str) -> bool:
@@ -206,10 +204,9 @@ class Executor:
 
     def _suspended(self, run: RunRecord, wake_at: datetime | None) -> None:
         self.released(run)  # if "suspended" does not count for a key, its slot is free now
-        wake_later = getattr(self.engine.dispatch, "wake_later", None)
-        if wake_at is not None and wake_later is not None:
+        if wake_at is not None:
             # A fast path only: the sweeper wakes due runs from the database too.
-            wake_later(self.engine, run, wake_at)
+            self.engine.dispatch.wake_later(self.engine, run, wake_at)
 
     def ensure_running(self, run_id: str, lease: str) -> None:
         """Raise ``RunCancelled`` when the run no longer belongs to this execution."""
@@ -240,9 +237,7 @@ class Executor:
                         lost.set()
                         return
             finally:
-                release = getattr(self.store, "release_thread", None)
-                if release is not None:
-                    release()
+                self.store.release_thread()
 
         thread = threading.Thread(target=beat, name=f"durable-heartbeat-{run_id}", daemon=True)
         thread.start()
@@ -286,7 +281,7 @@ class Executor:
                 run.run_id, from_statuses=[from_status], to=to, expect=expect, dispatched_at=timezone.now(), **fields
             )
         if moved and to == RunStatus.PENDING:
-            self.engine.dispatch(self.engine, run)
+            self.engine.dispatch.send(self.engine, run)
         elif moved:
             # A slot may free between the count and the commit: hand it on, as a start does.
             keys = [q.key for q in recount]
@@ -310,12 +305,11 @@ class Executor:
         if runs:
             self.store.mark_dispatched([r.run_id for r in runs])
             for run in runs:
-                self.engine.dispatch(self.engine, run)
+                self.engine.dispatch.send(self.engine, run)
             logger.warning("Sweep re-dispatched %d orphaned and %d undelivered runs.", len(orphaned), len(undelivered))
         woken = [r.run_id for r in self.store.due_runs(now) if self.resume(r, due=True)]
-        waiting_parents = getattr(self.store, "waiting_parents", None)
-        if waiting_parents is not None:  # a child ended, but the wake-up of its parent was lost
-            woken += [r.run_id for r in waiting_parents() if self.resume(r, waiting_for=r.waiting_for)]
+        # A child ended, but the wake-up of its parent was lost.
+        woken += [r.run_id for r in self.store.waiting_parents() if self.resume(r, waiting_for=r.waiting_for)]
         promoted = [
             run_id
             for namespace, keys in self.store.keys_with_queued().items()
@@ -339,15 +333,14 @@ class Executor:
     ) -> tuple[list[str], list[str]]:
         """Mark pending runs of queues no live worker consumes ``blocked`` (when
         ``block``); send blocked runs whose queue has a worker again. ``live_queues``
-        defaults to asking the Celery workers (only when there are such runs)."""
+        defaults to asking the dispatcher's workers (only when there are such runs)."""
         runs = self.store.runs_on_queues([RunStatus.PENDING, RunStatus.BLOCKED])
         if not runs:
             return [], []
         if live_queues is None:
-            ask = getattr(self.engine.dispatch, "live_queues", None)
-            if ask is None:  # a dispatcher without workers to ask (inline, tests)
+            live_queues = self.engine.dispatch.live_queues()
+            if live_queues is None:  # a dispatcher without workers to ask (inline, tests)
                 return [], []
-            live_queues = ask()
         live = set(live_queues)
         blocked, unblocked = [], []
         for run in runs:

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from durable import concurrency as _concurrency
 from durable.runtime.context import WorkflowContext
-from durable.runtime.core import Engine, RunHandle
+from durable.runtime.engine import Engine, RunHandle
 
 
 class DurableWorkflow:

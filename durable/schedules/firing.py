@@ -18,7 +18,7 @@ from django.utils import timezone as django_timezone
 
 import durable
 from durable import concurrency, exceptions, models
-from durable.runtime.core import Engine, RunHandle
+from durable.runtime.engine import Engine, RunHandle
 from durable.schedules import service
 from durable.schedules.windows import manual_run_id, window_of, window_run_id
 from durable.status import RunStatus

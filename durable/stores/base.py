@@ -1,9 +1,11 @@
-"""The store protocol: everything the engine needs from persistence.
+"""The store contract: everything the engine needs from persistence.
 
-``DjangoStore`` (the default) and ``InMemoryStore`` implement it. A custom store
-may leave out ``count_runs``: the engine then counts with ``len(list_runs(...))``;
-and ``run_exists`` (whether a run has an id, once a start of that id not yet
-committed has ended): the engine then uses ``get_run``.
+``BaseStore`` states every capability the engine uses. ``DjangoStore`` (the
+default) and ``InMemoryStore`` subclass it, and so does a custom store: it
+implements the methods that raise ``NotImplementedError`` here and may keep the
+defaults of the others (``count_runs`` counts ``len(list_runs(...))``, ``admit``
+leaves admission to the engine's generic path, ``run_exists`` asks ``get_run``,
+``waiting_parents`` finds none, ``recover`` and ``release_thread`` do nothing).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from durable.concurrency import Quota
 
@@ -62,10 +64,17 @@ class StepEntry:
     started_at: datetime | None = None
 
 
-@runtime_checkable
-class Store(Protocol):
+class BaseStore:
+    """Where runs live: every capability the engine uses.
+
+    A store subclasses this. The methods that raise ``NotImplementedError`` are
+    required; the others have a generic default that a store may override with
+    a faster or stronger one (``DjangoStore`` does).
+    """
+
     # -- reads -------------------------------------------------------------
-    def get_run(self, run_id: str) -> RunRecord | None: ...
+    def get_run(self, run_id: str) -> RunRecord | None:
+        raise NotImplementedError
 
     def list_runs(
         self,
@@ -74,18 +83,47 @@ class Store(Protocol):
         tag: str | None = None,
         statuses: Sequence[str] | None = None,
         namespace: str | None = None,
-    ) -> list[RunRecord]: ...
+    ) -> list[RunRecord]:
+        raise NotImplementedError
+
+    def count_runs(
+        self,
+        *,
+        tag: str | None = None,
+        statuses: Sequence[str] | None = None,
+        namespace: str | None = None,
+    ) -> int:
+        """What a quota counts. Default: ``len(list_runs(...))``; a store overrides
+        it with one ``COUNT(*)``."""
+        return len(self.list_runs(tag=tag, statuses=statuses, namespace=namespace))
 
     # -- admission ---------------------------------------------------------
     def admission(self, quotas: Sequence[Quota]) -> AbstractContextManager[None]:
         """One transaction holding the lock of every quota's key (in key order)."""
-        ...
+        raise NotImplementedError
+
+    def admit(
+        self, record: RunRecord, quotas: Sequence[Quota], *, count_namespace: str | None, run_id_given: bool = False
+    ) -> bool:
+        """The whole REJECT admission of ``record`` in one go (count every key in
+        ``count_namespace``, create the run), or False when this store has no such
+        path: the engine then takes its generic one (``admission``, ``count_runs``,
+        ``create_run``). Raises ``ConcurrencyLimitError``, or ``RunExists`` for a
+        taken run id (``run_id_given``: the caller chose it). Default: False."""
+        return False
+
+    def run_exists(self, run_id: str) -> bool:
+        """Whether a run has this id, once any start of it not yet committed has
+        ended (a refused start checks it). Default: ``get_run``."""
+        return self.get_run(run_id) is not None
 
     def create_run(self, record: RunRecord, tags: Sequence[str]) -> None:
         """Insert the run (with the status, error and times of ``record``) and its tags."""
-        ...
+        raise NotImplementedError
 
-    def on_commit(self, fn: Callable[[], object]) -> None: ...
+    def on_commit(self, fn: Callable[[], object]) -> None:
+        """Call ``fn`` once the current transaction commits (at once outside one)."""
+        raise NotImplementedError
 
     # -- state changes (compare-and-set) -----------------------------------
     def transition(
@@ -99,96 +137,112 @@ class Store(Protocol):
     ) -> bool:
         """Compare-and-set: move the run to ``to`` (setting ``fields``) only if its
         status is in ``from_statuses`` and its fields equal ``expect``."""
-        ...
+        raise NotImplementedError
 
-    def claim(
-        self, run_id: str, *, lease: str, worker: str, stale_before: datetime
-    ) -> RunRecord | None: ...
+    def claim(self, run_id: str, *, lease: str, worker: str, stale_before: datetime) -> RunRecord | None:
+        """Take a pending run (or a running one whose heartbeat is older than
+        ``stale_before``) for ``lease``; None when it is not to be executed."""
+        raise NotImplementedError
 
-    def heartbeat(self, run_id: str, lease: str) -> bool: ...
+    def heartbeat(self, run_id: str, lease: str) -> bool:
+        raise NotImplementedError
 
-    def finish(
-        self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None
-    ) -> bool: ...
+    def finish(self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None) -> bool:
+        raise NotImplementedError
 
     def retry(self, run_id: str, *, from_statuses: Sequence[str], tags: Sequence[str]) -> bool:
         """Compare-and-set the run back to ``pending`` with ``tags``, dropping its failed steps."""
-        ...
+        raise NotImplementedError
 
     # -- journal -------------------------------------------------------------
-    def load_steps(self, run_id: str) -> list[StepEntry]: ...
+    def load_steps(self, run_id: str) -> list[StepEntry]:
+        raise NotImplementedError
 
     def record_step(self, run_id: str, lease: str, step: StepEntry) -> bool:
         """Journal ``step`` (replacing a ``waiting`` entry at its position); False when
         the run no longer belongs to ``lease``."""
-        ...
+        raise NotImplementedError
 
     # -- waiting -----------------------------------------------------------------
     def suspend(self, run_id: str, lease: str, *, waiting_for: str, wake_at: datetime | None) -> bool:
         """Park the run ``suspended``, unless what it waits for (a buffered signal, a
         finished child) is already there: then return False and leave it running."""
-        ...
+        raise NotImplementedError
 
     def add_signal(self, run_id: str, name: str, payload: Any) -> RunRecord | None:
         """Buffer a signal for the run (holding its row, so a concurrent ``suspend``
         sees it); the run as it was, or None when there is no such run."""
-        ...
+        raise NotImplementedError
 
     def consume_signal(self, run_id: str, lease: str, name: str, step: StepEntry) -> tuple[bool, Any]:
         """Take the oldest buffered signal ``name`` and journal ``step`` with its payload, atomically."""
-        ...
+        raise NotImplementedError
 
-    def active_children(self, run_id: str) -> list[RunRecord]: ...
+    def active_children(self, run_id: str) -> list[RunRecord]:
+        raise NotImplementedError
 
     def due_runs(self, now: datetime) -> list[RunRecord]:
         """Suspended runs whose ``wake_at`` has come."""
-        ...
+        raise NotImplementedError
 
     def waiting_parents(self) -> list[RunRecord]:
-        """Suspended runs waiting for a child that has ended (its wake-up was lost)."""
-        ...
+        """Suspended runs waiting for a child that has ended (its wake-up was lost),
+        for the sweeper. Default: none (a lost wake-up then waits for a signal or a retry)."""
+        return []
 
     def runs_on_queues(self, statuses: Sequence[str]) -> list[RunRecord]:
         """Runs in ``statuses`` whose messages go to a queue of their own (remote workflows)."""
-        ...
+        raise NotImplementedError
 
     # -- strategies ------------------------------------------------------------
     def run_keys(self, run_id: str) -> list[str]:
         """The concurrency keys of a run (its ``concurrency:`` tags, without the prefix)."""
-        ...
+        raise NotImplementedError
 
     def quota_settings(self, keys: Sequence[str]) -> dict[str, tuple[int | None, tuple[str, ...]]]:
         """The last ``(limit, count_statuses)`` a start used for each key."""
-        ...
+        raise NotImplementedError
 
     def queued_heads(self, tag: str, *, namespace: str | None = None) -> list[tuple[str, str]]:
         """``(group, run_id)`` of the oldest queued run of each group queued on ``tag``."""
-        ...
+        raise NotImplementedError
 
-    def rr_cursor(self, key: str) -> str: ...
+    def rr_cursor(self, key: str) -> str:
+        """The group the last hand-off of ``key`` served ("" for none)."""
+        raise NotImplementedError
 
-    def set_rr_cursor(self, key: str, group: str) -> None: ...
+    def set_rr_cursor(self, key: str, group: str) -> None:
+        raise NotImplementedError
 
     def keys_with_queued(self) -> dict[str, list[str]]:
         """The keys that have queued runs, by the namespace of those runs."""
-        ...
+        raise NotImplementedError
 
     # -- recovery ------------------------------------------------------------
     def orphaned_runs(self, heartbeat_before: datetime, dispatched_before: Sequence[datetime] = ()) -> list[RunRecord]:
         """Running runs whose heartbeat is older than ``heartbeat_before``; when
         ``dispatched_before`` is given, only those not re-sent since their claim or
         whose last re-send is due for another (see ``undelivered_runs``)."""
-        ...
+        raise NotImplementedError
 
     def undelivered_runs(self, dispatched_before: Sequence[datetime]) -> list[RunRecord]:
         """Pending runs due for a re-send: a run re-sent ``n`` times already is due
         when its last message was sent before ``dispatched_before[n]`` (the last
         cutoff for any larger ``n``); see ``redispatch_cutoffs``."""
-        ...
+        raise NotImplementedError
 
     def mark_dispatched(self, run_ids: Sequence[str]) -> None:
         """The sweeper re-sent these runs now: set ``dispatched_at``, count the re-send."""
-        ...
+        raise NotImplementedError
+
+    # -- connections -----------------------------------------------------------
+    def recover(self) -> bool:
+        """After an error of the store's own calls: drop a connection it left unusable,
+        so that the next call opens a fresh one. Default: nothing to do."""
+        return True
+
+    def release_thread(self) -> None:
+        """A helper thread (a heartbeat) ends: close what it opened. Default: nothing."""
 
 
 #: The sweeper's re-sends of one run wait ``REDISPATCH_AFTER * 2**n`` after the

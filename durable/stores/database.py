@@ -18,7 +18,7 @@ from django.utils import timezone
 from durable import exceptions
 from durable.concurrency import TAG_PREFIX, Quota
 from durable.status import TERMINAL_STATUSES, RunStatus
-from durable.stores.base import RunExists, RunRecord, StepEntry, group_keys
+from durable.stores.base import BaseStore, RunExists, RunRecord, StepEntry, group_keys
 
 if TYPE_CHECKING:
     from durable.models import WorkflowRun
@@ -57,7 +57,7 @@ def _models() -> Any:
     return models
 
 
-class DjangoStore:
+class DjangoStore(BaseStore):
     """Runs, tags, locks and the journal in the project's database.
 
     ``using`` names the database alias (default ``"default"``).

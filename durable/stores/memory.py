@@ -18,10 +18,10 @@ from django.utils import timezone
 
 from durable.concurrency import TAG_PREFIX, Quota
 from durable.status import TERMINAL_STATUSES, RunStatus
-from durable.stores.base import RunExists, RunRecord, StepEntry, group_keys
+from durable.stores.base import BaseStore, RunExists, RunRecord, StepEntry, group_keys
 
 
-class InMemoryStore:
+class InMemoryStore(BaseStore):
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._runs: dict[str, RunRecord] = {}

@@ -18,7 +18,8 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from durable import DjangoStore, Engine, engine, models, tasks
-from durable.runtime.core import celery_dispatch
+from durable.runtime import Dispatcher
+from durable.tasks import CeleryDispatcher
 from testproject.celery import app as celery_app
 from tests.api.helpers import add_input, cancel_url, start_add
 
@@ -93,7 +94,7 @@ def resend_by_sweeper(settings: Any, queue: str, run_id: str) -> None:
 def test_engine_start_succeeds_and_logs_when_the_broker_is_down(
     dead_broker: DeadBroker, queue: str, settings: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    e = Engine(DjangoStore(), dispatch=celery_dispatch)
+    e = Engine(DjangoStore(), dispatch=CeleryDispatcher())
     autocommit = e.start("test.add", add_input("k"))  # on_commit runs at once
     with transaction.atomic():
         in_atomic = e.start("test.add", add_input("k"))  # on_commit runs after the block
@@ -137,11 +138,8 @@ def logged(caplog: pytest.LogCaptureFixture, run_id: str, words: str) -> bool:
     return any(r.levelname == "ERROR" and run_id in r.getMessage() and words in r.getMessage() for r in caplog.records)
 
 
-class RevokeFails:
+class RevokeFails(Dispatcher):
     """A dispatcher whose revoke raises at once (not on commit), as a broker client would."""
-
-    def __call__(self, engine: Engine, run: Any) -> None:
-        return None
 
     def revoke(self, engine: Engine, run: Any) -> None:
         raise ConnectionError("broker unreachable")

@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 
 from durable import DjangoStore, Engine, InMemoryStore
-from durable.runtime import Registry
+from durable.runtime import Dispatcher, Registry
 from durable.stores import RunRecord
 
 
-class RecordingDispatcher:
+class RecordingDispatcher(Dispatcher):
     """Records what the engine sends to workers (and revokes). No ``wake_later``:
     the sweeper wakes sleepers, as it does when a timer is lost."""
 
@@ -19,7 +19,7 @@ class RecordingDispatcher:
         self.sent: list[str] = []
         self.revoked: list[str] = []
 
-    def __call__(self, engine: Engine, run: RunRecord) -> None:
+    def send(self, engine: Engine, run: RunRecord) -> None:
         self.sent.append(run.run_id)
 
     def revoke(self, engine: Engine, run: RunRecord) -> None:

@@ -24,6 +24,7 @@ from durable import (
 from durable.exceptions import NonDeterminismError, RunFailedError, RunTerminalError
 from durable.runtime import Registry, inline_dispatch
 from durable.stores import StepEntry
+from durable.tasks import CeleryDispatcher
 
 pytestmark = pytest.mark.django_db
 
@@ -301,6 +302,25 @@ def test_inline_dispatch_executes_at_start() -> None:
     engine = Engine(InMemoryStore(), dispatch=inline_dispatch, registry=Registry())
     engine.register("w", "1", lambda ctx, input: ctx.step("s", lambda: input["n"] + 1))
     assert engine.start("w", {"n": 1}).result(timeout=1) == 2
+
+
+def test_a_plain_function_is_a_dispatcher_that_only_sends() -> None:
+    sent: list[str] = []
+    engine = Engine(InMemoryStore(), dispatch=lambda engine, run: sent.append(run.run_id), registry=Registry())
+    engine.register("w", "1", lambda ctx, input: ctx.sleep(60))
+    handle = engine.start("w", {})
+    assert sent == [handle.run_id]
+    assert engine.dispatch.live_queues() is None  # no workers to ask: never blocked
+    engine.execute(handle.run_id)
+    assert handle.refresh().status == RunStatus.SUSPENDED  # no timer sent; the sweeper wakes it
+    assert engine.cancel(handle.run_id).status == RunStatus.CANCELLED  # nothing to revoke
+
+
+def test_engines_built_without_a_dispatcher_send_to_celery() -> None:
+    assert isinstance(default_engine.dispatch, CeleryDispatcher)
+    assert isinstance(Engine(InMemoryStore()).dispatch, CeleryDispatcher)
+    with pytest.raises(TypeError, match="Dispatcher or a function"):
+        Engine(InMemoryStore(), dispatch="celery")  # type: ignore[arg-type]
 
 
 def test_ctx_now_is_journaled(queued: Engine, store: Any) -> None:

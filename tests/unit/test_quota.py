@@ -17,7 +17,7 @@ from durable import (
 )
 from durable.exceptions import InvalidStartError
 from durable.runtime import Registry
-from durable.stores import RunRecord
+from durable.stores import BaseStore, RunRecord
 
 
 def _noop(ctx: Any, input: Any) -> Any:
@@ -166,15 +166,11 @@ def test_rule6_run_carries_the_concurrency_tag(engine: Engine) -> None:
 def test_rule6_custom_store_without_count_runs_falls_back_to_list_runs() -> None:
     class ListOnlyStore(InMemoryStore):
         listed = 0
+        count_runs = BaseStore.count_runs  # what a store that does not write count_runs gets
 
         def list_runs(self, **kwargs: Any) -> list[Any]:
             type(self).listed += 1
             return super().list_runs(**kwargs)
-
-        def __getattribute__(self, name: str) -> Any:
-            if name == "count_runs":
-                raise AttributeError(name)
-            return super().__getattribute__(name)
 
     engine = Engine(ListOnlyStore(), dispatch=_no_dispatch, registry=Registry())
     engine.register("chat.turn", "1", _noop, concurrency=Concurrency(key=tenant_key, limit=1))

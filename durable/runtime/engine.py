@@ -6,9 +6,8 @@ import logging
 import time
 import unicodedata
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime
 from typing import Any
 
 from django.utils import timezone
@@ -17,61 +16,14 @@ from durable import concurrency as _concurrency
 from durable import exceptions
 from durable.conf import settings
 from durable.runtime import admission
+from durable.runtime import dispatch as _dispatch
 from durable.runtime.execution import Executor
 from durable.runtime.registry import Definition, Registry, WorkflowFn, default_registry
-from durable.status import ACTIVE_STATUSES, TERMINAL_STATUSES, RunStatus
-from durable.stores.base import RunExists, RunRecord, Store, group_keys
+from durable.status import ACTIVE_STATUSES, RETRYABLE_STATUSES, TERMINAL_STATUSES, RunStatus
+from durable.stores.base import BaseStore, RunExists, RunRecord, group_keys
 from durable.util import check_json
 
 logger = logging.getLogger(__name__)
-
-#: ``dispatch(engine, run)``: hands a new or recovered run to whatever executes it.
-#: A dispatcher may also have ``revoke(engine, run)`` (a run was cancelled),
-#: ``wake_later(engine, run, eta)`` (a timer for a sleeping run) and
-#: ``live_queues()`` (the queues some worker consumes, for remote workflows).
-Dispatcher = Callable[["Engine", RunRecord], None]
-
-
-class CeleryDispatch:
-    """Send the run's id to a Celery worker once the current transaction commits.
-
-    The task id is ``<run id>:<generation>``, so cancelling a run can revoke its
-    messages (those not yet started are dropped) without touching a later retry's.
-    Sends and revokes run after the commit, so they never raise: a failure is
-    logged and a run left ``pending`` is sent again by the sweeper (``durable.tasks``).
-    """
-
-    def __call__(self, engine: Engine, run: RunRecord) -> None:
-        from durable import tasks
-
-        run_id, task_id, queue = run.run_id, tasks.task_id(run.run_id, run.generation), run.queue
-        engine.store.on_commit(lambda: tasks.send_run(run_id, task_id=task_id, queue=queue))
-
-    def revoke(self, engine: Engine, run: RunRecord) -> None:
-        from durable import tasks
-
-        task_id = tasks.task_id(run.run_id, run.generation)
-        engine.store.on_commit(lambda: tasks.revoke(task_id))
-
-    def wake_later(self, engine: Engine, run: RunRecord, eta: datetime) -> None:
-        from durable import tasks
-
-        tasks.send_wake(run.run_id, eta=eta, queue=run.queue)
-
-    def live_queues(self) -> list[str]:
-        from durable import tasks
-
-        return tasks.live_queues()
-
-
-celery_dispatch = CeleryDispatch()
-
-
-def inline_dispatch(engine: Engine, run: RunRecord) -> None:
-    """Execute the run right away in this thread (for tests and scripts)."""
-    run_id = run.run_id
-    engine.store.on_commit(lambda: engine.execute(run_id))
-
 
 class RunHandle:
     """A reference to one run. ``status`` is as of the last read; ``refresh()`` reads again."""
@@ -131,35 +83,47 @@ class RunHandle:
 class Engine:
     """Starts, executes and reads runs.
 
-    ``store`` defaults to ``DjangoStore()``; ``dispatch`` to Celery (``inline_dispatch``
-    runs in the caller's thread). ``namespace`` and ``scope_reads`` default to the
-    ``NAMESPACE`` and ``SCOPE_READS`` settings.
+    ``store`` defaults to ``DjangoStore()``; ``dispatch`` (a ``Dispatcher``, or a
+    plain function ``fn(engine, run)`` that only sends) to the default dispatcher,
+    Celery's (``durable.runtime.dispatch.inline_dispatch`` runs in the caller's
+    thread). ``namespace`` and ``scope_reads`` default to the ``NAMESPACE`` and
+    ``SCOPE_READS`` settings.
     """
 
     def __init__(
         self,
-        store: Store | None = None,
+        store: BaseStore | None = None,
         *,
         namespace: str | None = None,
         scope_reads: bool | None = None,
-        dispatch: Dispatcher = celery_dispatch,
+        dispatch: _dispatch.DispatcherLike | None = None,
         registry: Registry | None = None,
     ) -> None:
         self._store = store
         self._namespace = namespace
         self._scope_reads = scope_reads
-        self.dispatch = dispatch
+        self.dispatch = _dispatch.as_dispatcher(dispatch)
         self.registry = registry or default_registry
-        self.promoter = admission.Promoter(self)
         self.executor = Executor(self)
 
     @property
-    def store(self) -> Store:
+    def store(self) -> BaseStore:
         if self._store is None:
             from durable.stores.database import DjangoStore
 
             self._store = DjangoStore()
         return self._store
+
+    @property
+    def admission_scope(self) -> admission.Scope:
+        """What admission works on: this engine's store, the namespace its quotas
+        count in (``read_namespace``), and its dispatcher's ``send``."""
+        return admission.Scope(self.store, self.read_namespace, lambda run: self.dispatch.send(self, run))
+
+    @property
+    def promoter(self) -> admission.Promoter:
+        """Hands the free slots of keys to their queued runs, counted as this engine counts."""
+        return admission.Promoter(self.admission_scope)
 
     @property
     def namespace(self) -> str:
@@ -272,11 +236,9 @@ class Engine:
         tags = [q.tag for q in quotas]
         given = run_id is not None
         try:
-            admit = getattr(self.store, "admit", None)
             if not (
-                admit is not None
-                and all(q.strategy is _concurrency.Strategy.REJECT for q in quotas)
-                and admit(record, quotas, count_namespace=self.read_namespace, run_id_given=given)
+                all(q.strategy is _concurrency.Strategy.REJECT for q in quotas)
+                and self.store.admit(record, quotas, count_namespace=self.read_namespace, run_id_given=given)
             ):
                 self._admit(definition.name, record, quotas, run_id_given=given, ancestors=ancestors)
         except RunExists:
@@ -285,7 +247,7 @@ class Engine:
             assert existing is not None
             return self._restarted(existing, definition.name)
         if record.status == RunStatus.PENDING:
-            self.dispatch(self, record)
+            self.dispatch.send(self, record)
         elif record.status == RunStatus.QUEUED:
             # A slot may have freed between the count and now: hand it on.
             self.store.on_commit(lambda: self.promoter.promote([q.key for q in quotas]))
@@ -310,9 +272,9 @@ class Engine:
         """
         with self.store.admission(quotas):
             try:
-                decision = admission.decide(self, workflow, quotas, ancestors=ancestors)
+                decision = admission.decide(self.admission_scope, workflow, quotas, ancestors=ancestors)
             except exceptions.ConcurrencyLimitError:
-                if run_id_given and self._run_exists(record.run_id):
+                if run_id_given and self.store.run_exists(record.run_id):
                     raise RunExists(record.run_id) from None
                 raise
             record.status = decision.status
@@ -325,17 +287,13 @@ class Engine:
                 # A victim ended meanwhile (it can no longer be cancelled): the start
                 # stands only if no key is over its limit now; else it is refused
                 # and the transaction rolls back (the cancels too).
-                admission.check_room(self, workflow, quotas, record.status)
+                admission.check_room(self.admission_scope, workflow, quotas, record.status)
             if record.status == RunStatus.PENDING:
                 # Direct admission moves the round-robin cursor as a hand-off does.
                 groups = group_keys([q.tag for q in quotas])
                 for quota in quotas:
                     if quota.strategy is _concurrency.Strategy.GROUP_ROUND_ROBIN:
                         self.store.set_rr_cursor(quota.key, groups[quota.tag])
-
-    def _run_exists(self, run_id: str) -> bool:
-        run_exists = getattr(self.store, "run_exists", None)
-        return bool(run_exists(run_id)) if run_exists is not None else self.store.get_run(run_id) is not None
 
     def _ancestors(self, parent_run_id: str | None) -> list[RunRecord]:
         """The parent of a child start, its parent, and so on up to the root."""
@@ -380,12 +338,10 @@ class Engine:
         return [RunHandle(self, r) for r in records]
 
     def count_runs(self, tag: str | None = None, statuses: Sequence[str] | None = None) -> int:
-        """One COUNT(*) through the store's ``count_runs``; a store without it is
-        counted with ``len(store.list_runs(...))``. This is what quotas count with."""
-        count_runs = getattr(self.store, "count_runs", None)
-        if count_runs is not None:
-            return int(count_runs(tag=tag, statuses=statuses, namespace=self.read_namespace))
-        return len(self.store.list_runs(tag=tag, statuses=statuses, namespace=self.read_namespace))
+        """One COUNT(*) through the store's ``count_runs`` (a store that does not
+        override ``BaseStore.count_runs`` counts ``len(list_runs(...))``). This is
+        what quotas count with."""
+        return int(self.store.count_runs(tag=tag, statuses=statuses, namespace=self.read_namespace))
 
     # -- changing --------------------------------------------------------------
     def cancel(self, run_id: str) -> RunHandle:
@@ -413,12 +369,10 @@ class Engine:
             finished_at=timezone.now(),
         )
         if cancelled:
-            revoke = getattr(self.dispatch, "revoke", None)
-            if revoke is not None:
-                try:
-                    revoke(self, run)
-                except Exception:  # best effort: the run is cancelled, a late message does nothing
-                    logger.exception("Could not revoke the messages of cancelled run %s; the cancel goes on.", run.run_id)
+            try:
+                self.dispatch.revoke(self, run)
+            except Exception:  # best effort: the run is cancelled, a late message does nothing
+                logger.exception("Could not revoke the messages of cancelled run %s; the cancel goes on.", run.run_id)
             for child in self.store.active_children(run.run_id):
                 self._cancel(child, reason=f"Cancelled with its parent run {run.run_id!r}.")
             self.executor.ended(run)
@@ -430,7 +384,7 @@ class Engine:
         quotas checked now. Completed steps are kept; the failed step runs again.
         """
         record = self._load(run_id)
-        if record.status not in _RETRYABLE:
+        if record.status not in RETRYABLE_STATUSES:
             raise exceptions.RunTerminalError(
                 f"Run {run_id!r} is {record.status}; only failed, dead or cancelled runs can be retried.",
                 run_id=run_id,
@@ -441,8 +395,8 @@ class Engine:
         quotas = _concurrency.resolve(specs, record.input)
         with self.store.admission(quotas):
             # A retry never queues nor cancels: a full key refuses it, whatever its strategy.
-            admission.decide(self, record.workflow, [replace(q, strategy=_concurrency.Strategy.REJECT) for q in quotas])
-            if not self.store.retry(run_id, from_statuses=_RETRYABLE, tags=[q.tag for q in quotas]):
+            admission.decide(self.admission_scope, record.workflow, [replace(q, strategy=_concurrency.Strategy.REJECT) for q in quotas])
+            if not self.store.retry(run_id, from_statuses=sorted(RETRYABLE_STATUSES), tags=[q.tag for q in quotas]):
                 current = self._load(run_id).status
                 raise exceptions.RunTerminalError(
                     f"Run {run_id!r} is {current}; only failed, dead or cancelled runs can be retried.",
@@ -450,7 +404,7 @@ class Engine:
                     status=current,
                 )
         handle = self.get_run(run_id)
-        self.dispatch(self, handle.record)
+        self.dispatch.send(self, handle.record)
         return handle
 
     # -- signals and events --------------------------------------------------------
@@ -531,7 +485,6 @@ class EmitResult:
     skipped: list[SkippedSubscriber] = field(default_factory=list)
 
 
-_RETRYABLE = (RunStatus.FAILED, RunStatus.DEAD, RunStatus.CANCELLED)
 #: How many ancestors a child start looks at (a backstop against a cycle of parents).
 _MAX_DEPTH = 1000
 
