@@ -23,15 +23,23 @@ SECTIONS = ("a", "b", "c", "d", "e")
 
 #: Defaults of a full run (about 6-7 minutes on 2 cores) and of --quick.
 FULL = {
-    "seconds": 3.0, "rounds": 5, "hot_seconds": 5.0,
-    "finished_runs": 1_000_000, "latency_starts": 2000,
-    "handoffs": 300, "grr_rounds": 3,
-}  # fmt: skip
+    "seconds": 3.0,
+    "rounds": 5,
+    "hot_seconds": 5.0,
+    "finished_runs": 1_000_000,
+    "latency_starts": 2000,
+    "handoffs": 300,
+    "grr_rounds": 3,
+}
 QUICK = {
-    "seconds": 2.0, "rounds": 1, "hot_seconds": 2.0,
-    "finished_runs": 100_000, "latency_starts": 600,
-    "handoffs": 60, "grr_rounds": 1,
-}  # fmt: skip
+    "seconds": 2.0,
+    "rounds": 1,
+    "hot_seconds": 2.0,
+    "finished_runs": 100_000,
+    "latency_starts": 600,
+    "handoffs": 60,
+    "grr_rounds": 1,
+}
 #: Section (d)'s broker when neither --broker nor a Redis CELERY_BROKER_URL is given.
 DEFAULT_BROKER = "redis://127.0.0.1:6379/9"
 _REDIS = ("redis://", "rediss://")
@@ -53,15 +61,16 @@ DESCRIPTION = (
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=DESCRIPTION)
     parser.add_argument(
-        "--quick", action="store_true",
+        "--quick",
+        action="store_true",
         help="Shorter run (about a minute and a half); 100,000 rows in (c), 60 runs in (d), 1 round in (e).",
-    )  # fmt: skip
+    )
     parser.add_argument("--only", default=",".join(SECTIONS), help="Sections to run, e.g. 'a,c' or 'd,e' (default: a,b,c,d,e).")
     parser.add_argument(
-        "--db-name", default="durable_bench",
-        help="Name of the scratch database (dropped if it exists, and at the end); "
-        "(c) and DBOS add _c0, _c1 and _dbos to it.",
-    )  # fmt: skip
+        "--db-name",
+        default="durable_bench",
+        help="Name of the scratch database (dropped if it exists, and at the end); (c) and DBOS add _c0, _c1 and _dbos to it.",
+    )
     a = parser.add_argument_group("(a) start rate")
     a.add_argument("--seconds", type=float, help="Seconds per configuration and round (full 3, quick 2).")
     a.add_argument("--rounds", type=int, help="Rounds over all configurations (full 5, quick 1).")
@@ -75,9 +84,10 @@ def parser() -> argparse.ArgumentParser:
     c = parser.add_argument_group("(c) big history")
     c.add_argument("--finished-runs", type=int, help="Finished runs loaded (full 1,000,000, quick 100,000).")
     c.add_argument(
-        "--latency-starts", type=int,
+        "--latency-starts",
+        type=int,
         help="Timed starts per database, alternating between the two (full 2000, quick 600).",
-    )  # fmt: skip
+    )
     d = parser.add_argument_group(
         "(d) hand-off latency",
         "A real worker (celery -A testproject worker --pool=threads, one thread per key) on a queue of its own, "
@@ -92,10 +102,12 @@ def parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--handoffs", type=int, help="Runs started; hand-offs = runs - keys (full 300, quick 60).")
     d.add_argument(
-        "--handoff-keys", type=int, default=1,
+        "--handoff-keys",
+        type=int,
+        default=1,
         help="Keys: 1 (default) is one chain of hand-offs; more keys run that many chains in parallel in the "
         "one worker, which then also measures its contention (its threads share the GIL and the CPUs).",
-    )  # fmt: skip
+    )
     e = parser.add_argument_group(
         "(e) GROUP_ROUND_ROBIN admission",
         "Keys at their limit (1), then queued starts through Engine.start, against REJECT starts on fresh keys "
@@ -168,8 +180,17 @@ def _resolve(options: dict[str, Any]) -> dict[str, Any]:
         raise BenchError(f"--procs takes process counts like '1,4', got {options['procs']!r}.") from None
     profile = QUICK if options["quick"] else FULL
     values = {k: options[k] if options.get(k) is not None else v for k, v in profile.items()}
-    for name in ("keys", "starters", "hot_limit", "rounds", "latency_starts", "handoff_keys", "queued_runs",
-                 "queued_keys", "grr_rounds"):  # fmt: skip
+    for name in (
+        "keys",
+        "starters",
+        "hot_limit",
+        "rounds",
+        "latency_starts",
+        "handoff_keys",
+        "queued_runs",
+        "queued_keys",
+        "grr_rounds",
+    ):
         value = options.get(name) if options.get(name) is not None else values.get(name)
         if value is not None and int(value) < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be at least 1, got {value}.")

@@ -45,11 +45,22 @@ class CeleryWorker:
     @property
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "celery", "-A", "testproject", "worker",
-            f"--pool={self.pool}", f"--concurrency={self.concurrency}", "--loglevel=WARNING",
-            f"--hostname=durable-bench-{os.getpid()}@%h", "--without-gossip", "--without-mingle",
-            "--without-heartbeat", f"--include={self.include}", f"--queues={self.queue}",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "testproject",
+            "worker",
+            f"--pool={self.pool}",
+            f"--concurrency={self.concurrency}",
+            "--loglevel=WARNING",
+            f"--hostname=durable-bench-{os.getpid()}@%h",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            f"--include={self.include}",
+            f"--queues={self.queue}",
+        ]
 
     def describe(self) -> str:
         return f"celery -A testproject worker --pool={self.pool} --concurrency={self.concurrency}, queue {self.queue}"
@@ -58,9 +69,7 @@ class CeleryWorker:
         self.start()
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop(keep_log=exc is not None)
 
     def start(self) -> None:

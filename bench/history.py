@@ -35,9 +35,11 @@ def load_finished(conninfo: str, n: int, measured_keys: int) -> None:
             "input": "jsonb_build_object('key', 'c-k' || (g %% %(keys)s))",
             "attempt": "1",
             "worker": "'bench'",
-            **{name: "ts.t" for name in ("heartbeat_at", "dispatched_at", "created_at", "updated_at",
-                                          "started_at", "finished_at")},
-        },  # fmt: skip
+            **{
+                name: "ts.t"
+                for name in ("heartbeat_at", "dispatched_at", "created_at", "updated_at", "started_at", "finished_at")
+            },
+        },
         "FROM generate_series(1, %(n)s) AS g "
         "CROSS JOIN LATERAL (SELECT now() - make_interval(secs => (%(n)s - g) / 100.0) AS t) AS ts",
     )
@@ -58,9 +60,13 @@ def load_finished(conninfo: str, n: int, measured_keys: int) -> None:
         "FROM generate_series(0, %(keys)s - 1) AS k ON CONFLICT DO NOTHING",
     )
     params = {
-        "workflow": starters.WORKFLOW, "version": starters.VERSION, "keys": keys, "n": n,
-        "limit": starters.RATE_LIMIT, "statuses": Jsonb(list(DEFAULT_CONCURRENCY_STATUSES)),
-    }  # fmt: skip
+        "workflow": starters.WORKFLOW,
+        "version": starters.VERSION,
+        "keys": keys,
+        "n": n,
+        "limit": starters.RATE_LIMIT,
+        "statuses": Jsonb(list(DEFAULT_CONCURRENCY_STATUSES)),
+    }
     with psycopg.connect(conninfo) as conn:
         for sql, defaults in (runs, tags, locks):
             conn.execute(sql, {**params, **defaults})

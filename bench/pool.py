@@ -95,7 +95,7 @@ class WorkerPool:
     def close(self) -> None:
         """Stop every process: politely, then by terminate() for any still running."""
         stop = json.dumps({"cmd": "stop", "id": -1})
-        for proc, commands in zip(self._procs, self._commands):
+        for proc, commands in zip(self._procs, self._commands, strict=False):
             if proc.is_alive():
                 commands.put(stop)
         for proc in self._procs:

@@ -56,9 +56,12 @@ def section_d(opts: Options, report: Report, scratch: Scratch, progress: Progres
     try:
         for name, query, _ in WORKER_DATABASES:
             worker = CeleryWorker(
-                broker=opts.broker, database_url=scratch.url(scratch.main) + query, queue=queue,
-                pool="threads", concurrency=nkeys,
-            )  # fmt: skip
+                broker=opts.broker,
+                database_url=scratch.url(scratch.main) + query,
+                queue=queue,
+                pool="threads",
+                concurrency=nkeys,
+            )
             described = worker.describe()
             _purge(app, queue)
             prefix = f"d-{name.replace(' ', '-')}-"
@@ -118,9 +121,7 @@ class _Send:
 
         run_id, task_id = run.run_id, tasks.task_id(run.run_id, run.generation)
         engine.store.on_commit(
-            lambda: self.app.send_task(
-                tasks.EXECUTE_TASK, args=(run_id,), task_id=task_id, queue=self.queue, serializer="json"
-            )
+            lambda: self.app.send_task(tasks.EXECUTE_TASK, args=(run_id,), task_id=task_id, queue=self.queue, serializer="json")
         )
 
 
@@ -142,9 +143,7 @@ SELECT status, count(*) FROM durable_workflowrun WHERE workflow = %s AND input -
 """
 
 
-def _wait_finished(
-    conninfo: str, prefix: str, n: int, worker: CeleryWorker, progress: Progress, stall: float = 60.0
-) -> None:
+def _wait_finished(conninfo: str, prefix: str, n: int, worker: CeleryWorker, progress: Progress, stall: float = 60.0) -> None:
     """Poll until the ``n`` runs on keys ``prefix*`` are finished; raise if the worker
     dies or stops making progress."""
     from bench import handoff
@@ -200,14 +199,18 @@ def _chains(conninfo: str, prefix: str) -> _Chains:
 
 def _report_d(report: Report, results: dict[str, _Chains], n: int, nkeys: int, label: str) -> None:
     chain = "one chain" if nkeys == 1 else f"{nkeys} chains in parallel"
-    report.row("d", "hand-offs per worker configuration", f"{n - nkeys:,}",
-               f"{n} runs on {nkeys} key(s) ({chain}), limit {LIMIT}, GROUP_ROUND_ROBIN")  # fmt: skip
+    report.row(
+        "d",
+        "hand-offs per worker configuration",
+        f"{n - nkeys:,}",
+        f"{n} runs on {nkeys} key(s) ({chain}), limit {LIMIT}, GROUP_ROUND_ROBIN",
+    )
     measured: dict[str, tuple[list[float], int]] = {}
     for name, _, what in WORKER_DATABASES:
         # Hand-off i -> i+1 on a key: run i finished (its finished_at), run i+1's body started.
         latency, to_claim, claim_to_body = [], [], []
         for runs in results[name].values():
-            for (_, _, finished), (claimed, body, _) in zip(runs, runs[1:]):
+            for (_, _, finished), (claimed, body, _) in zip(runs, runs[1:], strict=False):
                 latency.append((body - finished) * 1e6)
                 to_claim.append((claimed - finished) * 1e6)
                 claim_to_body.append((body - claimed) * 1e6)
@@ -218,17 +221,23 @@ def _report_d(report: Report, results: dict[str, _Chains], n: int, nkeys: int, l
             report.row("d", f"slot hand-off latency, {name}", "-", "no hand-off measured")
             continue
         report.row(
-            "d", f"slot hand-off latency p50 / p99, {name}",
+            "d",
+            f"slot hand-off latency p50 / p99, {name}",
             f"{_report.ms(_report.percentile(latency, 50))} / {_report.ms(_report.percentile(latency, 99))}",
             f"{len(latency)} hand-offs, max {_report.ms(latency[-1])}; {what}",
-        )  # fmt: skip
+        )
         report.row(
-            "d", f"  p50 finished -> claimed / claimed -> body, {name}",
+            "d",
+            f"  p50 finished -> claimed / claimed -> body, {name}",
             f"{_report.ms(_report.median(to_claim))} / {_report.ms(_report.median(claim_to_body))}",
             "finish commit, Promoter.promote, Redis, pick-up / connect, claim, journal read",
-        )  # fmt: skip
-        report.row("d", f"  runs of a key overlapping, {name}", str(overlaps),
-                   "a body started before the previous run of its key finished (must be 0)")  # fmt: skip
+        )
+        report.row(
+            "d",
+            f"  runs of a key overlapping, {name}",
+            str(overlaps),
+            "a body started before the previous run of its key finished (must be 0)",
+        )
     report.note(
         f"(d) {label}. A hand-off's latency: the body start of a key's next queued run (time.time() in the "
         "worker) minus the finished_at of the run before it (timezone.now() in the worker as it finishes, before "
@@ -238,12 +247,20 @@ def _report_d(report: Report, results: dict[str, _Chains], n: int, nkeys: int, l
     latency, overlaps = measured.get(WORKER_DATABASES[0][0], ([], 0))
     p50, p99 = _report.percentile(latency, 50), _report.percentile(latency, 99)
     short = "" if len(latency) >= 200 else f"(only {len(latency)} hand-offs: --quick or --handoffs)"
-    notes = [f"{WORKER_DATABASES[0][0]}, p99 {_report.ms(p99)}" if latency else "no hand-off measured", short,
-             f"{overlaps} overlapping runs" if overlaps else ""]  # fmt: skip
+    notes = [
+        f"{WORKER_DATABASES[0][0]}, p99 {_report.ms(p99)}" if latency else "no hand-off measured",
+        short,
+        f"{overlaps} overlapping runs" if overlaps else "",
+    ]
     report.target(
-        "d", TARGET_D, "<= 50 ms", p50 if latency else None, bool(latency) and p50 <= 50_000 and overlaps == 0,
-        _report.ms(p50) if latency else "-", "; ".join(part for part in notes if part),
-    )  # fmt: skip
+        "d",
+        TARGET_D,
+        "<= 50 ms",
+        p50 if latency else None,
+        bool(latency) and p50 <= 50_000 and overlaps == 0,
+        _report.ms(p50) if latency else "-",
+        "; ".join(part for part in notes if part),
+    )
 
 
 # -- (e) ------------------------------------------------------------------------
@@ -271,8 +288,14 @@ def section_e(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
                     [filled] = pool.call([0], {"cmd": "fill", "keys": keys, "limit": LIMIT}, timeout=600)
                     if filled["statuses"] != {"pending": nkeys * LIMIT}:
                         raise RuntimeError(f"(e) filling {nkeys} keys gave {filled['statuses']}")
-                message = {"cmd": "admit", "kind": kind, "keys": keys, "per_process": kind == "reject",
-                           "counts": counts, "size": n}  # fmt: skip
+                message = {
+                    "cmd": "admit",
+                    "kind": kind,
+                    "keys": keys,
+                    "per_process": kind == "reject",
+                    "counts": counts,
+                    "size": n,
+                }
                 replies = pool.call(range(n), message, timeout=600)
                 statuses: Counter[str] = Counter()
                 for rep in replies:
@@ -315,24 +338,34 @@ def _report_e(
         return "; ".join(part for part in (rounds, client) if part)
 
     for n in procs:
-        report.row("e", f"queued GROUP_ROUND_ROBIN starts, {n} proc", _report.rate(_report.median(grr[n])),
-                   detail(grr[n], "grr", n))  # fmt: skip
-        report.row("e", f"REJECT starts (durable_admit), {n} proc", _report.rate(_report.median(reject[n])),
-                   detail(reject[n], "reject", n))  # fmt: skip
+        report.row(
+            "e", f"queued GROUP_ROUND_ROBIN starts, {n} proc", _report.rate(_report.median(grr[n])), detail(grr[n], "grr", n)
+        )
+        report.row(
+            "e",
+            f"REJECT starts (durable_admit), {n} proc",
+            _report.rate(_report.median(reject[n])),
+            detail(reject[n], "reject", n),
+        )
         values = ratios[n]
-        report.row("e", f"ratio queued GRR / REJECT, {n} proc", _report.ratio(_report.median(values)),
-                   f"rounds: {', '.join(f'{v:.2f}' for v in values)}" if len(values) > 1 else "")  # fmt: skip
+        report.row(
+            "e",
+            f"ratio queued GRR / REJECT, {n} proc",
+            _report.ratio(_report.median(values)),
+            f"rounds: {', '.join(f'{v:.2f}' for v in values)}" if len(values) > 1 else "",
+        )
     handoff_rates = [d["handoffs"] / d["elapsed"] for d in drains]
     promote = sorted(us for d in drains for us in d["promote_us"])
     handoffs = sum(d["handoffs"] for d in drains)
     left = sum(d["queued_left"] for d in drains)
     if drains:
         report.row(
-            "e", f"hand-offs (complete a run + Promoter.promote), {procs[0]} proc",
+            "e",
+            f"hand-offs (complete a run + Promoter.promote), {procs[0]} proc",
             _report.rate(_report.median(handoff_rates)),
             f"{handoffs:,} hand-offs; promote p50 {_report.ms(_report.percentile(promote, 50))}, "
             f"p99 {_report.ms(_report.percentile(promote, 99))}; queued runs left {left} (must be 0)",
-        )  # fmt: skip
+        )
     report.note(
         f"(e) {runs:,} starts per configuration and round, on {nkeys} keys of limit {LIMIT}. Queued GRR: every key "
         "already at its limit, so each start is queued (Engine._admit, then Promoter.promote on commit in case a slot "
@@ -349,12 +382,12 @@ def _report_e(
             "counts, two inserts, then the queue read and the count of the promote on commit), a REJECT start "
             f"{statements['reject']} (durable_admit, the whole admission in one function call)."
         )
-    report.target("e", f"queued GRR / REJECT start rate, {procs[0]} proc", "(informational)", ratio, None,
-                  _report.ratio(ratio), info=True)  # fmt: skip
+    report.target(
+        "e", f"queued GRR / REJECT start rate, {procs[0]} proc", "(informational)", ratio, None, _report.ratio(ratio), info=True
+    )
     if drains:
         rate = _report.median(handoff_rates)
-        report.target("e", f"hand-offs per second, {procs[0]} proc", "(informational)", rate, None,
-                      _report.rate(rate), info=True)  # fmt: skip
+        report.target("e", f"hand-offs per second, {procs[0]} proc", "(informational)", rate, None, _report.rate(rate), info=True)
 
 
 def _statement_counts(report: Report) -> dict[str, int]:
@@ -376,14 +409,14 @@ def _statement_counts(report: Report) -> dict[str, int]:
     first = engine.start(starters.GRR_WORKFLOW, {"key": "e-probe-grr"})
     with CaptureQueriesContext(connection) as queued:
         engine.start(starters.GRR_WORKFLOW, {"key": "e-probe-grr"})
-    engine.store.transition(first.run_id, from_statuses=[RunStatus.PENDING], to=RunStatus.COMPLETED,
-                            finished_at=timezone.now())  # fmt: skip
+    engine.store.transition(first.run_id, from_statuses=[RunStatus.PENDING], to=RunStatus.COMPLETED, finished_at=timezone.now())
     with CaptureQueriesContext(connection) as handed:
         started = engine.promoter.promote(engine.store.run_keys(first.run_id))
     assert len(started) == 1, started
     report.row(
-        "e", "SQL statements: REJECT start / queued start / hand-off",
+        "e",
+        "SQL statements: REJECT start / queued start / hand-off",
         f"{len(rejected)} / {len(queued)} / {len(handed)}",
         "BEGIN..COMMIT included; hand-off: Executor.released's run_keys + Promoter.promote",
-    )  # fmt: skip
+    )
     return {"reject": len(rejected), "queued": len(queued), "handoff": len(handed)}

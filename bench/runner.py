@@ -49,7 +49,7 @@ def run(opts: Options, progress: Progress) -> Report:
                     opts.unavailable[kind] = reason
                     progress(f"(a) {kind} left out: {reason}")
         config = {
-            "aliases": {"default": main, **dict(zip(("c0", "c1"), copies))},
+            "aliases": {"default": main, **dict(zip(("c0", "c1"), copies, strict=False))},
             "conninfo": scratch.conninfo(main),
             "dbos_url": scratch.url(dbos_db),
         }
@@ -60,16 +60,16 @@ def run(opts: Options, progress: Progress) -> Report:
             progress(f"(d) done in {time.perf_counter() - t0:.0f} s")
         pooled = [name for name in opts.only if name != "d"]
         if pooled:
-            size = max(
-                [max(opts.procs)] * bool({"a", "e"} & set(pooled)) + [opts.starters] * ("b" in pooled) + [1]
-            )
+            size = max([max(opts.procs)] * bool({"a", "e"} & set(pooled)) + [opts.starters] * ("b" in pooled) + [1])
             progress(f"spawning {size} benchmark process(es)")
             pool = WorkerPool(size, config, barrier_sizes=[*opts.procs, opts.starters, 1])
             try:
                 for name, section in (
-                    ("a", sections.section_a), ("b", sections.section_b), ("c", sections.section_c),
+                    ("a", sections.section_a),
+                    ("b", sections.section_b),
+                    ("c", sections.section_c),
                     ("e", queueing.section_e),
-                ):  # fmt: skip
+                ):
                     if name in pooled:
                         t0 = time.perf_counter()
                         section(pool, opts, report, scratch, progress)
@@ -91,9 +91,7 @@ def _describe(opts: Options) -> str:
     if "b" in opts.only:
         parts.append(f"(b) {opts.starters} starters, limit {opts.hot_limit}, {opts.hot_seconds:g} s per phase")
     if "c" in opts.only:
-        parts.append(
-            f"(c) {opts.finished_runs:,} finished runs, {opts.latency_starts:,} starts per database, alternating"
-        )
+        parts.append(f"(c) {opts.finished_runs:,} finished runs, {opts.latency_starts:,} starts per database, alternating")
     if "d" in opts.only:
         parts.append(
             f"(d) {opts.handoffs} runs on {opts.handoff_keys} key(s), Celery worker on {_sanitize(opts.broker)} "

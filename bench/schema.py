@@ -17,10 +17,7 @@ from psycopg.types.json import Jsonb
 
 def insert_fields(model: Any, explicit: Collection[str]) -> list[Any]:
     """The fields an insert of ``model`` sends, ``explicit`` (field names) included."""
-    return [
-        f for f in model._meta.concrete_fields
-        if f.name in explicit or not (f.primary_key or f.has_db_default())
-    ]  # fmt: skip
+    return [f for f in model._meta.concrete_fields if f.name in explicit or not (f.primary_key or f.has_db_default())]
 
 
 def default_param(field: Any) -> Any:

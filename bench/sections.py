@@ -124,19 +124,27 @@ def section_a(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
     n_raw = 4 if 4 in opts.procs else max(opts.procs)
     value, _ = ratio("raw", n_raw)
     report.target(
-        "a", f"durable/raw starts at {n_raw} processes", ">= 0.90x", value,
-        value is not None and value >= 0.9, _report.ratio(value) if value is not None else "-",
+        "a",
+        f"durable/raw starts at {n_raw} processes",
+        ">= 0.90x",
+        value,
+        value is not None and value >= 0.9,
+        _report.ratio(value) if value is not None else "-",
         "" if n_raw == 4 else "(4 processes not measured: --procs)",
-    )  # fmt: skip
+    )
     value, _ = ratio("procrastinate", 1) if 1 in opts.procs else (None, "")
     report.target(
-        "a", "durable/procrastinate starts at 1 process", ">= 1.00x", value,
-        value is not None and value >= 1.0, _report.ratio(value) if value is not None else "-",
+        "a",
+        "durable/procrastinate starts at 1 process",
+        ">= 1.00x",
+        value,
+        value is not None and value >= 1.0,
+        _report.ratio(value) if value is not None else "-",
         opts.unavailable.get("procrastinate", "" if 1 in opts.procs else "(1 process not measured: --procs)"),
-    )  # fmt: skip
+    )
     report.note(
-        "(a) durable: Engine.start with a no-op dispatch (DEBUG off in the benchmark processes); raw: the same transaction in psycopg 3 "
-        "(BEGIN; SELECT lock row FOR UPDATE; COUNT tags; INSERT run; INSERT tag; COMMIT); "
+        "(a) durable: Engine.start with a no-op dispatch (DEBUG off in the benchmark processes); "
+        "raw: the same transaction in psycopg 3 (BEGIN; SELECT lock row FOR UPDATE; COUNT tags; INSERT run; INSERT tag; COMMIT); "
         "procrastinate: task.defer() on a SyncPsycopgConnector app; DBOS: DBOSClient.enqueue() onto a queue "
         "(no executor running). Ratios are medians of per-round ratios, each pair measured back to back."
     )
@@ -154,9 +162,11 @@ def _query_counts(report: Report) -> None:
             starter.start("queries-probe")
         counts.append(len(captured.captured_queries))
     report.row(
-        "a", "durable SQL statements per start", str(counts[1]),
+        "a",
+        "durable SQL statements per start",
+        str(counts[1]),
         f"BEGIN..COMMIT included; {counts[0]} for the first start of a key (creates its lock row)",
-    )  # fmt: skip
+    )
 
 
 def _drop_failed(kind: str, replies: list[dict[str, Any]], opts: Options, pool: WorkerPool, *, required: bool) -> bool:
@@ -196,20 +206,28 @@ def section_b(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
     active = _count(conninfo, key)
     p50, p99 = _report.percentile(refused, 50), _report.percentile(refused, 99)
     report.row(
-        "b", "refusal latency p50 / p99, 1 starter (baseline)",
+        "b",
+        "refusal latency p50 / p99, 1 starter (baseline)",
         f"{_report.ms(_report.percentile(solo_refused, 50))} / {_report.ms(_report.percentile(solo_refused, 99))}",
         f"{len(solo_refused) / solo_seconds:,.0f} refusals/s",
-    )  # fmt: skip
+    )
     rate = len(refused) / opts.hot_seconds
-    report.row("b", f"refusals ({n} starters, limit {limit}, {opts.hot_seconds:g} s)", f"{len(refused):,}",
-               f"{rate:,.0f} /s, i.e. one per {_report.ms(1e6 / rate) if rate else '-'} on the key; "
-               f"admitted {admitted} (must be 0)")  # fmt: skip
+    report.row(
+        "b",
+        f"refusals ({n} starters, limit {limit}, {opts.hot_seconds:g} s)",
+        f"{len(refused):,}",
+        f"{rate:,.0f} /s, i.e. one per {_report.ms(1e6 / rate) if rate else '-'} on the key; admitted {admitted} (must be 0)",
+    )
     report.row("b", f"refusal latency p50, {n} starters", _report.ms(p50))
     worst = f"max {_report.ms(refused[-1])}" if refused else ""
     report.row("b", f"refusal latency p99, {n} starters", _report.ms(p99), worst)
     floors = _round_trip_floors(pool, opts, report, progress)
-    report.row("b", "over-admission after refusal storm", str(max(0, active - limit)),
-               f"{active} runs in counted statuses, limit {limit}")  # fmt: skip
+    report.row(
+        "b",
+        "over-admission after refusal storm",
+        str(max(0, active - limit)),
+        f"{active} runs in counted statuses, limit {limit}",
+    )
 
     # Phase 2: slots free up while the starters race for them.
     key = "hot-churn"
@@ -235,26 +253,55 @@ def section_b(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
     ledger = limit + len(admitted_us) - completer.done
     high = max(sampler.high, final)
     over = max(0, high - limit)
-    report.row("b", "churn: admitted / completed / refused",
-               f"{len(admitted_us):,} / {completer.done:,} / {refused_n:,}",
-               f"admitted p50 {_report.ms(_report.percentile(admitted_us, 50))}, "
-               f"p99 {_report.ms(_report.percentile(admitted_us, 99))}")  # fmt: skip
-    report.row("b", "churn: in-flight high-water mark", str(high),
-               f"max of {sampler.samples:,} COUNT samples and the final count; limit {limit}")  # fmt: skip
-    report.row("b", "churn: final in-flight", str(final),
-               f"ledger prefill + admitted - completed = {ledger}" + ("" if ledger == final else " (MISMATCH)"))
+    report.row(
+        "b",
+        "churn: admitted / completed / refused",
+        f"{len(admitted_us):,} / {completer.done:,} / {refused_n:,}",
+        f"admitted p50 {_report.ms(_report.percentile(admitted_us, 50))}, p99 {_report.ms(_report.percentile(admitted_us, 99))}",
+    )
+    report.row(
+        "b",
+        "churn: in-flight high-water mark",
+        str(high),
+        f"max of {sampler.samples:,} COUNT samples and the final count; limit {limit}",
+    )
+    report.row(
+        "b",
+        "churn: final in-flight",
+        str(final),
+        f"ledger prefill + admitted - completed = {ledger}" + ("" if ledger == final else " (MISMATCH)"),
+    )
     report.row("b", "over-admission during churn", str(over), f"high-water {high} - limit {limit}, floored at 0")
 
     floor_note = "; ".join(f"{via} SELECT 1 p99 {_report.ms(us)}" for via, us in floors.items())
     report.target(
-        "b", f"refusal latency p99 ({n} starters)", "<= 5 ms", p99 if refused else None, p99 <= 5000,
-        _report.ms(p99) if refused else "-", f"floor here: {floor_note}" if refused else "no refusal measured",
-    )  # fmt: skip
+        "b",
+        f"refusal latency p99 ({n} starters)",
+        "<= 5 ms",
+        p99 if refused else None,
+        p99 <= 5000,
+        _report.ms(p99) if refused else "-",
+        f"floor here: {floor_note}" if refused else "no refusal measured",
+    )
     storm_over = max(0, active - limit)
-    report.target("b", "over-admission after refusal storm", "== 0", storm_over, storm_over == 0 and admitted == 0,
-                  str(storm_over), "" if admitted == 0 else f"{admitted} starts admitted on a full key")  # fmt: skip
-    report.target("b", "over-admission during churn (high-water)", "== 0", over, over == 0 and ledger == final,
-                  str(over), "" if ledger == final else f"ledger {ledger} != final {final}")  # fmt: skip
+    report.target(
+        "b",
+        "over-admission after refusal storm",
+        "== 0",
+        storm_over,
+        storm_over == 0 and admitted == 0,
+        str(storm_over),
+        "" if admitted == 0 else f"{admitted} starts admitted on a full key",
+    )
+    report.target(
+        "b",
+        "over-admission during churn (high-water)",
+        "== 0",
+        over,
+        over == 0 and ledger == final,
+        str(over),
+        "" if ledger == final else f"ledger {ledger} != final {final}",
+    )
 
 
 def _round_trip_floors(pool: WorkerPool, opts: Options, report: Report, progress: Progress) -> dict[str, float]:
@@ -270,10 +317,11 @@ def _round_trip_floors(pool: WorkerPool, opts: Options, report: Report, progress
         latencies = sorted(us for rep in replies for us in rep["latency_us"])
         p99s[via] = _report.percentile(latencies, 99)
         report.row(
-            "b", f"floor: SELECT 1 p50 / p99, {n} procs, {via}",
+            "b",
+            f"floor: SELECT 1 p50 / p99, {n} procs, {via}",
             f"{_report.ms(_report.percentile(latencies, 50))} / {_report.ms(p99s[via])}",
             f"{len(latencies) / opts.hot_seconds:,.0f} /s; the cheapest round trip, same processes",
-        )  # fmt: skip
+        )
     return p99s
 
 
@@ -339,9 +387,12 @@ class _Completer(threading.Thread):
         try:
             while not self.stop.is_set():
                 run_id = (
-                    WorkflowRun.objects.with_tag(self.tag).filter(status="pending")
-                    .order_by("id").values_list("run_id", flat=True).first()
-                )  # fmt: skip
+                    WorkflowRun.objects.with_tag(self.tag)
+                    .filter(status="pending")
+                    .order_by("id")
+                    .values_list("run_id", flat=True)
+                    .first()
+                )
                 if run_id is not None and store.transition(
                     run_id, from_statuses=["pending"], to="completed", finished_at=timezone.now()
                 ):
@@ -373,21 +424,29 @@ def section_c(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
     big = sorted(reply["latency_us"]["c1"])
     for label, values in (("0 finished runs", none), (f"{n:,} finished runs", big)):
         report.row(
-            "c", f"start latency p50, {label}", _report.ms(_report.percentile(values, 50)),
+            "c",
+            f"start latency p50, {label}",
+            _report.ms(_report.percentile(values, 50)),
             f"p90 {_report.ms(_report.percentile(values, 90))}, mean {_report.ms(sum(values) / len(values))}, "
             f"{len(values):,} starts",
-        )  # fmt: skip
+        )
     p50_ratio = _report.percentile(big, 50) / _report.percentile(none, 50)
     mean_ratio = (sum(big) / len(big)) / (sum(none) / len(none))
     report.row(
-        "c", "latency ratio with/without history (p50)", _report.ratio(p50_ratio),
+        "c",
+        "latency ratio with/without history (p50)",
+        _report.ratio(p50_ratio),
         f"mean ratio {_report.ratio(mean_ratio)}",
-    )  # fmt: skip
+    )
     for label, name in (("no", empty_db), (f"{n:,}", big_db)):
         plan = history.count_plan(scratch.conninfo(name), "c-k0")
         report.note(f"(c) the tag COUNT with {label} finished runs: {plan}")
     report.target(
-        "c", f"start latency ratio, {n:,} finished runs vs none (p50)", "<= 1.15x", p50_ratio,
-        p50_ratio <= 1.15, _report.ratio(p50_ratio),
+        "c",
+        f"start latency ratio, {n:,} finished runs vs none (p50)",
+        "<= 1.15x",
+        p50_ratio,
+        p50_ratio <= 1.15,
+        _report.ratio(p50_ratio),
         "" if n >= 1_000_000 else f"(--quick or --finished-runs: {n:,} rows, not 1,000,000)",
-    )  # fmt: skip
+    )

@@ -21,7 +21,7 @@ from __future__ import annotations
 import traceback
 import uuid
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -158,9 +158,14 @@ class RawStarter:
                 if active is None or active[0] >= limit:
                     raise _Refused
                 run_params = self.insert_run.params(
-                    run_id=uuid.uuid4().hex, workflow=WORKFLOW, version=VERSION, namespace="default",
-                    status="pending", input=Jsonb({"key": key}), dispatched_at=datetime.now(timezone.utc),
-                )  # fmt: skip
+                    run_id=uuid.uuid4().hex,
+                    workflow=WORKFLOW,
+                    version=VERSION,
+                    namespace="default",
+                    status="pending",
+                    input=Jsonb({"key": key}),
+                    dispatched_at=datetime.now(UTC),
+                )
                 run = cur.execute(self.insert_run.sql, run_params).fetchone()
                 assert run is not None
                 tag_params = self.insert_tag.params(run=run[0], tag=tag, status="pending", namespace="default")
@@ -210,9 +215,7 @@ class ProcrastinateStarter:
     def __init__(self, conninfo: str) -> None:
         import procrastinate
 
-        self.app = procrastinate.App(
-            connector=procrastinate.SyncPsycopgConnector(conninfo=conninfo, min_size=1, max_size=1)
-        )
+        self.app = procrastinate.App(connector=procrastinate.SyncPsycopgConnector(conninfo=conninfo, min_size=1, max_size=1))
         self.task = self.app.task(name=JOB_NAME, queue=QUEUE)(_noop_job)
         self.app.open()
 

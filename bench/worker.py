@@ -37,6 +37,7 @@ process then has keys of its own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -55,7 +56,7 @@ def serve(index: int, databases: str, barrier_sizes: list[int], barriers: list[A
     config = json.loads(databases)
     try:
         _setup_django(config["aliases"])
-        worker = _Worker(index, config, dict(zip(barrier_sizes, barriers)))
+        worker = _Worker(index, config, dict(zip(barrier_sizes, barriers, strict=False)))
     except BaseException:
         results.put(json.dumps({"worker": index, "id": 0, "error": traceback.format_exc()}))
         return
@@ -239,8 +240,9 @@ class _Worker:
         while in_flight:
             next_round: list[str] = []
             for run_id in in_flight:
-                if store.transition(run_id, from_statuses=[RunStatus.PENDING], to=RunStatus.COMPLETED,
-                                    finished_at=timezone.now()):  # fmt: skip
+                if store.transition(
+                    run_id, from_statuses=[RunStatus.PENDING], to=RunStatus.COMPLETED, finished_at=timezone.now()
+                ):
                     completed += 1
                 t = time.perf_counter()
                 started = engine.promoter.promote(store.run_keys(run_id))
@@ -250,8 +252,7 @@ class _Worker:
             in_flight = next_round
         elapsed = time.perf_counter() - t0
         left = runs.filter(status=RunStatus.QUEUED).count()
-        return {"handoffs": handoffs, "completed": completed, "elapsed": elapsed, "promote_us": promote_us,
-                "queued_left": left}  # fmt: skip
+        return {"handoffs": handoffs, "completed": completed, "elapsed": elapsed, "promote_us": promote_us, "queued_left": left}
 
     # -- helpers -------------------------------------------------------------
     def _own(self, message: dict[str, Any]) -> list[str]:
@@ -284,10 +285,8 @@ class _Worker:
 
     def close(self) -> None:
         for starter in self.starters.values():
-            try:
+            with contextlib.suppress(Exception):
                 starter.close()
-            except Exception:
-                pass
 
 
 def _timed(call: Callable[[], Any], seconds: float, barrier: Any) -> Iterator[tuple[Any, int]]:

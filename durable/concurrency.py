@@ -14,7 +14,7 @@ import enum
 import inspect
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import cel
 from asgiref.sync import async_to_sync
@@ -43,8 +43,8 @@ class Strategy(str, enum.Enum):
         return self.value
 
 
-KeySpec = Union[str, Callable[[Any], "str | None"], None]
-LimitSpec = Union[int, Callable[[str], Any]]
+KeySpec = str | Callable[[Any], str | None] | None
+LimitSpec = int | Callable[[str], Any]
 
 
 @dataclass(frozen=True)
@@ -97,15 +97,11 @@ class Concurrency:
         try:
             strategy = Strategy(self.strategy)
         except ValueError:
-            raise exceptions.InvalidStartError(
-                f"Concurrency(strategy=...) must be a Strategy, got {self.strategy!r}."
-            ) from None
+            raise exceptions.InvalidStartError(f"Concurrency(strategy=...) must be a Strategy, got {self.strategy!r}.") from None
         object.__setattr__(self, "strategy", strategy)
         if self.max_queued is not None:
             if strategy is not Strategy.GROUP_ROUND_ROBIN:
-                raise exceptions.InvalidStartError(
-                    "Concurrency(max_queued=...) only applies to Strategy.GROUP_ROUND_ROBIN."
-                )
+                raise exceptions.InvalidStartError("Concurrency(max_queued=...) only applies to Strategy.GROUP_ROUND_ROBIN.")
             if isinstance(self.max_queued, bool) or not isinstance(self.max_queued, int) or self.max_queued < 0:
                 raise exceptions.InvalidStartError(
                     f"Concurrency(max_queued=...) must be a non-negative integer, got {self.max_queued!r}."
@@ -132,7 +128,7 @@ class Quota:
         return TAG_PREFIX + self.key
 
 
-ConcurrencySpec = Union[Concurrency, Sequence[Concurrency], None]
+ConcurrencySpec = Concurrency | Sequence[Concurrency] | None
 
 
 def normalize(spec: ConcurrencySpec) -> tuple[Concurrency, ...]:
@@ -143,9 +139,7 @@ def normalize(spec: ConcurrencySpec) -> tuple[Concurrency, ...]:
         return (spec,)
     if isinstance(spec, (list, tuple)) and all(isinstance(c, Concurrency) for c in spec):
         return tuple(spec)
-    raise exceptions.InvalidStartError(
-        f"concurrency must be a Concurrency or a list of them, got {spec!r}."
-    )
+    raise exceptions.InvalidStartError(f"concurrency must be a Concurrency or a list of them, got {spec!r}.")
 
 
 def resolve(specs: Sequence[Concurrency], input: Any) -> list[Quota]:
@@ -171,10 +165,7 @@ def _resolve_key(spec: Concurrency, input: Any) -> str | None:
         return spec.key
     what = "key function" if spec.expression is None else f"key expression {spec.expression!r}"
     try:
-        if callable(spec.key):
-            key = spec.key(input)
-        else:
-            key = spec._program.execute({"input": input})
+        key = spec.key(input) if callable(spec.key) else spec._program.execute({"input": input})
     except Exception as exc:
         raise exceptions.InvalidStartError(
             f"The concurrency {what} raised {type(exc).__name__}: {exc}. "
@@ -185,18 +176,14 @@ def _resolve_key(spec: Concurrency, input: Any) -> str | None:
         # leaves this start unlimited.
         return None
     if not isinstance(key, str):
-        raise exceptions.InvalidStartError(
-            f"The concurrency {what} must give a string or None, got {key!r}."
-        )
+        raise exceptions.InvalidStartError(f"The concurrency {what} must give a string or None, got {key!r}.")
     _check_key(key)
     return key
 
 
 def _compile_expression(expression: Any) -> Any:
     if not isinstance(expression, str) or not expression.strip():
-        raise exceptions.InvalidStartError(
-            f"Concurrency(expression=...) must be a CEL expression string, got {expression!r}."
-        )
+        raise exceptions.InvalidStartError(f"Concurrency(expression=...) must be a CEL expression string, got {expression!r}.")
     try:
         program = cel.compile(expression)
     except ValueError as exc:
@@ -204,17 +191,14 @@ def _compile_expression(expression: Any) -> Any:
     unknown = set(program.variables()) - {"input"}
     if unknown:
         raise exceptions.InvalidStartError(
-            f"The CEL concurrency expression {expression!r} may only use `input`, "
-            f"not {', '.join(sorted(unknown))}."
+            f"The CEL concurrency expression {expression!r} may only use `input`, not {', '.join(sorted(unknown))}."
         )
     return program
 
 
 def _check_key(key: str) -> None:
     if not key or len(key) > MAX_KEY_LENGTH:
-        raise exceptions.InvalidStartError(
-            f"A concurrency key must be 1 to {MAX_KEY_LENGTH} characters long, got {key!r}."
-        )
+        raise exceptions.InvalidStartError(f"A concurrency key must be 1 to {MAX_KEY_LENGTH} characters long, got {key!r}.")
 
 
 def _resolve_limit(spec: Concurrency, key: str) -> int:
@@ -232,9 +216,7 @@ def _resolve_limit(spec: Concurrency, key: str) -> int:
                 f"The concurrency limit function raised {type(exc).__name__} for key {key!r}: {exc}.",
             ) from exc
     if isinstance(limit, bool) or not isinstance(limit, int):
-        raise exceptions.InvalidStartError(
-            f"A concurrency limit must be an integer, got {limit!r} for key {key!r}."
-        )
+        raise exceptions.InvalidStartError(f"A concurrency limit must be an integer, got {limit!r} for key {key!r}.")
     _check_limit_range(limit, f"The concurrency limit for key {key!r}")
     return limit
 
@@ -242,8 +224,7 @@ def _resolve_limit(spec: Concurrency, key: str) -> int:
 def _check_limit_range(limit: int, what: str) -> None:
     if not MIN_LIMIT <= limit <= MAX_LIMIT:
         raise exceptions.InvalidStartError(
-            f"{what} must be from {MIN_LIMIT} to {MAX_LIMIT} (a 32-bit integer; 0 or less rejects "
-            f"every start), got {limit!r}."
+            f"{what} must be from {MIN_LIMIT} to {MAX_LIMIT} (a 32-bit integer; 0 or less rejects every start), got {limit!r}."
         )
 
 

@@ -50,9 +50,7 @@ class ConcurrencyQueueFullError(ConcurrencyLimitError):
     queued: int
     max_queued: int
 
-    def __init__(
-        self, *, workflow: str, key: str, limit: int, active: int, queued: int, max_queued: int
-    ) -> None:
+    def __init__(self, *, workflow: str, key: str, limit: int, active: int, queued: int, max_queued: int) -> None:
         DurableError.__init__(
             self,
             f"The queue of concurrency key {key!r} is full: {queued} runs wait (max_queued={max_queued}) "

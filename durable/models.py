@@ -23,9 +23,7 @@ class WorkflowRun(models.Model):
     #: Bumped by every retry; part of the Celery task id, so that revoking a
     #: cancelled run's messages never revokes those of its retry.
     generation = models.PositiveIntegerField(default=0)
-    parent = models.ForeignKey(
-        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="children"
-    )
+    parent = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="children")
     #: Celery queue the run's messages go to ("" for the default queue); a remote
     #: workflow's runs go to the queue its service consumes.
     queue = models.CharField(max_length=200, blank=True, default="")
@@ -138,9 +136,7 @@ class StepRecord(models.Model):
 
     class Meta:
         ordering = ["run", "position"]
-        constraints = [
-            models.UniqueConstraint(fields=["run", "position"], name="durable_step_position_unique")
-        ]
+        constraints = [models.UniqueConstraint(fields=["run", "position"], name="durable_step_position_unique")]
 
     def __str__(self) -> str:
         return f"{self.position}: {self.name}"

@@ -17,9 +17,7 @@ class RunStatus(models.TextChoices):
     DEAD = "dead"
 
 
-TERMINAL_STATUSES: frozenset[str] = frozenset(
-    {RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.DEAD}
-)
+TERMINAL_STATUSES: frozenset[str] = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.DEAD})
 #: The statuses ``Engine.retry`` starts again.
 RETRYABLE_STATUSES: frozenset[str] = frozenset({RunStatus.FAILED, RunStatus.DEAD, RunStatus.CANCELLED})
 ACTIVE_STATUSES: tuple[str, ...] = tuple(s.value for s in RunStatus if s not in TERMINAL_STATUSES)

@@ -65,9 +65,7 @@ def sweep() -> dict[str, list[str]]:
     return engine.sweep()
 
 
-@shared_task(
-    name=FIRE_SCHEDULE_TASK, acks_late=True, reject_on_worker_lost=True, serializer="json", ignore_result=True
-)
+@shared_task(name=FIRE_SCHEDULE_TASK, acks_late=True, reject_on_worker_lost=True, serializer="json", ignore_result=True)
 def fire_schedule(schedule_id: int) -> None:
     """Start the run of the schedule's current window (idempotent per window)."""
     from durable import schedules
@@ -107,8 +105,12 @@ def send_run(run_id: str, *, task_id: str, queue: str = "") -> bool:
         logger.error(
             "Could not send run %s to the broker (%s: %s). The run is saved as pending; "
             "the sweeper sends it again after REDISPATCH_AFTER (%ss).",
-            run_id, type(exc).__name__, exc, settings.REDISPATCH_AFTER, exc_info=_traceback(exc),
-        )  # fmt: skip
+            run_id,
+            type(exc).__name__,
+            exc,
+            settings.REDISPATCH_AFTER,
+            exc_info=_traceback(exc),
+        )
         return False
     return True
 
@@ -125,8 +127,11 @@ def send_wake(run_id: str, *, eta: datetime, queue: str = "") -> bool:
     except Exception as exc:
         logger.error(
             "Could not send the timer of run %s to the broker (%s: %s); the sweeper wakes the run when it is due.",
-            run_id, type(exc).__name__, exc, exc_info=_traceback(exc),
-        )  # fmt: skip
+            run_id,
+            type(exc).__name__,
+            exc,
+            exc_info=_traceback(exc),
+        )
         return False
     return True
 
@@ -143,8 +148,12 @@ def revoke(task_id: str) -> bool:
         logger.error(
             "Could not revoke the messages of run %s (task %s) on the broker (%s: %s); the run is cancelled, "
             "and a message that still arrives does nothing.",
-            task_id.rpartition(":")[0], task_id, type(exc).__name__, exc, exc_info=_traceback(exc),
-        )  # fmt: skip
+            task_id.rpartition(":")[0],
+            task_id,
+            type(exc).__name__,
+            exc,
+            exc_info=_traceback(exc),
+        )
         return False
     return True
 
@@ -203,7 +212,7 @@ def _unblock_on_worker_start(sender: Any = None, **kwargs: Any) -> None:
 def beat_schedule() -> dict[str, dict[str, Any]]:
     """The periodic sweep, to merge into ``app.conf.beat_schedule``::
 
-        app.conf.beat_schedule = {**durable.tasks.beat_schedule(), ...}
+    app.conf.beat_schedule = {**durable.tasks.beat_schedule(), ...}
     """
     entry: dict[str, Any] = {"task": SWEEP_TASK, "schedule": float(settings.SWEEP_INTERVAL)}
     if settings.TASK_QUEUE:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from typing import Any
@@ -39,8 +40,6 @@ def describe_error(exc: BaseException, *, with_args: bool = False) -> dict[str, 
         "message": str(exc).replace("\x00", "\\x00"),  # PostgreSQL's jsonb cannot hold NUL
     }
     if with_args:
-        try:
+        with contextlib.suppress(exceptions.InvalidStartError):
             error["args"] = check_json(list(exc.args), what="the arguments of an exception")
-        except exceptions.InvalidStartError:
-            pass
     return error

@@ -65,9 +65,7 @@ _sqlite = {
     "OPTIONS": {"transaction_mode": "IMMEDIATE", "timeout": 30},
     "TEST": {"NAME": os.environ.get("SQLITE_TEST_PATH", str(BASE_DIR / "test-db.sqlite3"))},
 }
-DATABASES = {
-    "default": dj_database_url.config(conn_max_age=0) if os.environ.get("DATABASE_URL") else _sqlite
-}
+DATABASES = {"default": dj_database_url.config(conn_max_age=0) if os.environ.get("DATABASE_URL") else _sqlite}
 if os.environ.get("DURABLE_TEST_DB"):
     # Lets several test runs share one PostgreSQL server without sharing a database.
     DATABASES["default"]["TEST"] = {"NAME": os.environ["DURABLE_TEST_DB"]}

@@ -55,16 +55,33 @@ class WorkerProcesses:
         concurrency: int = 1,
         env: dict[str, str] | None = None,
     ) -> subprocess.Popen[bytes]:
-        args = [sys.executable, "-m", "celery", "-A", "testproject", "worker", f"--pool={pool}", f"--concurrency={concurrency}",
-                "--loglevel=INFO", f"--hostname={name}@%h", "--without-gossip", "--without-mingle",
-                f"--include={include}", f"--queues={queues or self.queue}"]  # fmt: skip
+        args = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "testproject",
+            "worker",
+            f"--pool={pool}",
+            f"--concurrency={concurrency}",
+            "--loglevel=INFO",
+            f"--hostname={name}@%h",
+            "--without-gossip",
+            "--without-mingle",
+            f"--include={include}",
+            f"--queues={queues or self.queue}",
+        ]
         if beat:  # django-celery-beat's DatabaseScheduler (the project's CELERY_BEAT_SCHEDULER)
             args.append("--beat")
         with open(self.tmp_path / f"{name}.log", "wb") as log:  # the child keeps its own handle
             proc = subprocess.Popen(
-                args, cwd=ROOT, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+                args,
+                cwd=ROOT,
+                env={**self.env, **(env or {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
-            )  # fmt: skip
+            )
         self.started.append(proc)
         return proc
 

@@ -19,12 +19,20 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 def test_docs_build_without_warnings(tmp_path: Path) -> None:
     result = subprocess.run(
         [
-            sys.executable, "-m", "sphinx",
-            "-W", "--keep-going", "-q", "-E",
-            "-b", "html",
-            "-d", str(tmp_path / "doctrees"),
-            str(DOCS), str(tmp_path / "html"),
-        ],  # fmt: skip
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-q",
+            "-E",
+            "-b",
+            "html",
+            "-d",
+            str(tmp_path / "doctrees"),
+            str(DOCS),
+            str(tmp_path / "html"),
+        ],
         capture_output=True,
         text=True,
         timeout=300,

@@ -129,6 +129,4 @@ class ChaosWorkflow(DurableWorkflow):
     name = "test.chaos"
 
     def run(self, ctx: WorkflowContext, input: dict[str, Any]) -> list[str]:
-        return [
-            ctx.step(f"s{i}", logged_step, input["log"], f"{ctx.run_id}:s{i}", input["pause"]) for i in range(4)
-        ]
+        return [ctx.step(f"s{i}", logged_step, input["log"], f"{ctx.run_id}:s{i}", input["pause"]) for i in range(4)]

@@ -103,4 +103,3 @@ class ConcurrencyQuotaAdmin(admin.ModelAdmin):
     @admin.display(description="runs")
     def runs(self, lock: models.ConcurrencyLock) -> SafeString:
         return format_html('<a href="{}">runs of this key</a>', runs_with_tag_url(TAG_PREFIX + lock.key))
-

@@ -25,6 +25,7 @@ from durable.status import RETRYABLE_STATUSES
 #: JSON columns the runs changelist does not display (they can be large).
 _LIST_DEFERRED = ("input", "output", "error")
 
+
 class TagFilter(admin.SimpleListFilter):
     """Runs carrying one exact tag (``?tag=concurrency:acme``).
 
@@ -79,9 +80,7 @@ class StepRecordInline(admin.TabularInline):
     def has_view_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         run_opts = models.WorkflowRun._meta
         user = request.user
-        return any(
-            user.has_perm(f"{run_opts.app_label}.{action}_{run_opts.model_name}") for action in ("view", "change")
-        )
+        return any(user.has_perm(f"{run_opts.app_label}.{action}_{run_opts.model_name}") for action in ("view", "change"))
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
@@ -196,9 +195,7 @@ class WorkflowRunAdmin(admin.ModelAdmin):
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return _RunChangeList
 
-    def get_search_results(
-        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
-    ) -> tuple[QuerySet[Any], bool]:
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet[Any], search_term: str) -> tuple[QuerySet[Any], bool]:
         """Runs whose id or one of whose tags contains every word of ``search_term``.
 
         The tag match is an ``EXISTS`` subquery rather than a join, so a run with
@@ -321,9 +318,7 @@ class WorkflowRunAdmin(admin.ModelAdmin):
         for line in refused[:MAX_LISTED]:
             self.message_user(request, f"Could not retry run {line}", messages.ERROR)
         if len(refused) > MAX_LISTED:
-            self.message_user(
-                request, f"{len(refused) - MAX_LISTED} more runs could not be retried.", messages.ERROR
-            )
+            self.message_user(request, f"{len(refused) - MAX_LISTED} more runs could not be retried.", messages.ERROR)
         self._report_missing(request, missing)
 
     def _report_missing(self, request: HttpRequest, missing: Sequence[str]) -> None:
@@ -339,4 +334,3 @@ class WorkflowRunAdmin(admin.ModelAdmin):
 def _selected(queryset: QuerySet[Any]) -> list[models.WorkflowRun]:
     """The selected runs, oldest first, with just what the actions and their log entries need."""
     return list(queryset.order_by("created_at", "pk").only("pk", "run_id", "workflow", "status"))
-

@@ -7,6 +7,7 @@ admin never saves a Schedule or a PeriodicTask itself.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from django import forms
@@ -119,10 +120,8 @@ class ScheduleAdmin(admin.ModelAdmin):
 
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
         for schedule in queryset.order_by("name"):
-            try:
+            with contextlib.suppress(exceptions.ScheduleNotFound):  # deleted meanwhile
                 schedules.delete_schedule(schedule)
-            except exceptions.ScheduleNotFound:
-                pass  # deleted meanwhile
 
     # -- columns ----------------------------------------------------------------------
     @admin.display(description="when")
@@ -182,9 +181,6 @@ class ScheduleAdmin(admin.ModelAdmin):
                 continue
             if firing.started:
                 self.log_change(request, schedule, f"Ran now through the admin: run {firing.run_id}.")
-                self.message_user(
-                    request, f"Schedule {schedule.name!r} started run {firing.run_id}.", messages.SUCCESS
-                )
+                self.message_user(request, f"Schedule {schedule.name!r} started run {firing.run_id}.", messages.SUCCESS)
             else:
                 self.message_user(request, f"Schedule {schedule.name!r}: {firing.error}", messages.WARNING)
-

@@ -36,6 +36,4 @@ def _load(entry: Any) -> Any:
     try:
         return import_string(entry)
     except ImportError as exc:
-        raise ImproperlyConfigured(
-            f'DURABLE["API_PERMISSION_CLASSES"] names {entry!r}, which cannot be imported: {exc}'
-        ) from exc
+        raise ImproperlyConfigured(f'DURABLE["API_PERMISSION_CLASSES"] names {entry!r}, which cannot be imported: {exc}') from exc

@@ -192,18 +192,32 @@ class RunSerializer(serializers.ModelSerializer):
     """
 
     parent_run_id = serializers.CharField(source="parent.run_id", read_only=True, allow_null=True)
-    tags: serializers.SlugRelatedField[models.RunTag] = serializers.SlugRelatedField(
-        many=True, read_only=True, slug_field="tag"
-    )
+    tags: serializers.SlugRelatedField[models.RunTag] = serializers.SlugRelatedField(many=True, read_only=True, slug_field="tag")
     steps = StepSerializer(many=True, read_only=True)
 
     class Meta:
         model = models.WorkflowRun
         fields = [
-            "run_id", "workflow", "version", "namespace", "status", "input", "output", "error",
-            "attempt", "parent_run_id", "queue", "waiting_for", "wake_at", "created_at", "updated_at",
-            "started_at", "finished_at", "tags", "steps",
-        ]  # fmt: skip
+            "run_id",
+            "workflow",
+            "version",
+            "namespace",
+            "status",
+            "input",
+            "output",
+            "error",
+            "attempt",
+            "parent_run_id",
+            "queue",
+            "waiting_for",
+            "wake_at",
+            "created_at",
+            "updated_at",
+            "started_at",
+            "finished_at",
+            "tags",
+            "steps",
+        ]
         read_only_fields = fields
 
 
@@ -255,10 +269,23 @@ class ScheduleSerializer(serializers.ModelSerializer):
     class Meta:
         model = models.Schedule
         fields = [
-            "name", "workflow", "input", "cron", "every", "timezone", "enabled", "namespace",
-            "concurrency_key", "concurrency_limit", "last_run_at", "last_run_id", "last_error",
-            "last_error_at", "created_at", "updated_at",
-        ]  # fmt: skip
+            "name",
+            "workflow",
+            "input",
+            "cron",
+            "every",
+            "timezone",
+            "enabled",
+            "namespace",
+            "concurrency_key",
+            "concurrency_limit",
+            "last_run_at",
+            "last_run_id",
+            "last_error",
+            "last_error_at",
+            "created_at",
+            "updated_at",
+        ]
         read_only_fields = fields
 
 

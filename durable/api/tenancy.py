@@ -53,11 +53,7 @@ def _resolver() -> Callable[[Request], Any] | None:
     try:
         resolver = import_string(configured)
     except ImportError as exc:
-        raise ImproperlyConfigured(
-            f'DURABLE["API_NAMESPACE"] names {configured!r}, which cannot be imported: {exc}'
-        ) from exc
+        raise ImproperlyConfigured(f'DURABLE["API_NAMESPACE"] names {configured!r}, which cannot be imported: {exc}') from exc
     if not callable(resolver):
-        raise ImproperlyConfigured(
-            f'DURABLE["API_NAMESPACE"] must name a function fn(request) -> str, got {resolver!r}.'
-        )
+        raise ImproperlyConfigured(f'DURABLE["API_NAMESPACE"] must name a function fn(request) -> str, got {resolver!r}.')
     return resolver

@@ -50,9 +50,7 @@ class Decision:
     reason: str = ""
 
 
-def decide(
-    scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: Sequence[RunRecord] = ()
-) -> Decision:
+def decide(scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: Sequence[RunRecord] = ()) -> Decision:
     """Count every key (they are locked) and apply the strategies of the full ones.
 
     Precedence when several keys are full: REJECT raises; else CANCEL_NEWEST
@@ -81,9 +79,12 @@ def decide(
         finished = [s for s in quota.count_statuses if s in TERMINAL_STATUSES]
         if active >= quota.limit and finished and scope.count(quota.tag, finished) >= quota.limit:
             raise exceptions.ConcurrencyLimitError(
-                workflow=workflow, key=quota.key, limit=quota.limit, active=active,
+                workflow=workflow,
+                key=quota.key,
+                limit=quota.limit,
+                active=active,
                 hint="Its finished runs alone fill this lifetime cap: no start of this key can be admitted again.",
-            )  # fmt: skip
+            )
     if not full:
         return Decision()
     strategies = {quota.strategy for quota, _, _ in full}
@@ -94,16 +95,23 @@ def decide(
         for quota, active, queued in full:
             if quota.max_queued is not None and queued >= quota.max_queued:
                 raise exceptions.ConcurrencyQueueFullError(
-                    workflow=workflow, key=quota.key, limit=quota.limit, active=active, queued=queued,
+                    workflow=workflow,
+                    key=quota.key,
+                    limit=quota.limit,
+                    active=active,
+                    queued=queued,
                     max_queued=quota.max_queued,
-                )  # fmt: skip
+                )
             holder = _holding_ancestor(scope.store, quota, ancestors) if active >= quota.limit else None
             if holder is not None:
                 raise exceptions.ConcurrencyLimitError(
-                    workflow=workflow, key=quota.key, limit=quota.limit, active=active,
+                    workflow=workflow,
+                    key=quota.key,
+                    limit=quota.limit,
+                    active=active,
                     hint=f"Its ancestor run {holder!r} holds a slot of this key: a child queued behind it "
                     "could wait for it forever, so it is refused instead.",
-                )  # fmt: skip
+                )
         return Decision(RunStatus.QUEUED)
     victims: dict[str, RunRecord] = {}
     spared = {a.run_id for a in ancestors}
@@ -119,10 +127,13 @@ def decide(
         needed = active - quota.limit + 1
         if len(in_flight) < needed:
             raise exceptions.ConcurrencyLimitError(
-                workflow=workflow, key=quota.key, limit=quota.limit, active=active,
+                workflow=workflow,
+                key=quota.key,
+                limit=quota.limit,
+                active=active,
                 hint="Cancelling the runs that may be cancelled for it (not finished runs, not its own "
                 "ancestors) cannot make room.",
-            )  # fmt: skip
+            )
         for run in in_flight[:needed]:
             victims.setdefault(run.run_id, run)
     return Decision(victims=list(victims.values()))
@@ -219,9 +230,7 @@ class Promoter:
             return False
         return self.scope.count(TAG_PREFIX + key, statuses) >= limit
 
-    def _try_start(
-        self, key: str, group: str, run_id: str, known: Mapping[str, tuple[int | None, tuple[str, ...]]]
-    ) -> str:
+    def _try_start(self, key: str, group: str, run_id: str, known: Mapping[str, tuple[int | None, tuple[str, ...]]]) -> str:
         """Start queued ``run_id`` if every key of it has room (counted under the keys' locks).
 
         Outcomes: "started", "filled" (started, and it took the last free slot of
@@ -235,9 +244,7 @@ class Promoter:
         if missing:
             settings.update(store.quota_settings(missing))
         quotas = [
-            Quota(k, limit, statuses)
-            for k, (limit, statuses) in sorted(settings.items())
-            if limit is not None and statuses
+            Quota(k, limit, statuses) for k, (limit, statuses) in sorted(settings.items()) if limit is not None and statuses
         ]
         room = None  # free slots of ``key`` before this start, when it has a quota
         with store.admission(quotas):
@@ -255,4 +262,3 @@ class Promoter:
             self.scope.send(record)
         logger.debug("Handed a slot of %s to queued run %s (group %r).", key, run_id, group)
         return "filled" if room == 1 else "started"
-

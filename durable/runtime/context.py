@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from django.utils import timezone
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Backoff = Union[float, Callable[[int], float]]
+Backoff = float | Callable[[int], float]
 
 
 class StepFailedError(exceptions.DurableError):
@@ -113,14 +113,15 @@ class WorkflowContext:
             except (exceptions.RunCancelled, exceptions.Suspend):
                 raise
             except Exception as exc:
-                fatal = isinstance(exc, exceptions.FatalError) or isinstance(exc, exceptions.InvalidStartError)
+                fatal = isinstance(exc, (exceptions.FatalError, exceptions.InvalidStartError))
                 if fatal or attempt > retries:
                     error = describe_error(exc, with_args=True)
                     self._record(StepEntry(position, name, "failed", error=error, attempts=attempt, started_at=started))
                     raise
                 delay = backoff(attempt) if callable(backoff) else float(backoff) * 2 ** (attempt - 1)
-                logger.info("Step %r of run %s failed (attempt %d), retrying in %.2fs: %s",
-                            name, self.run_id, attempt, delay, exc)  # fmt: skip
+                logger.info(
+                    "Step %r of run %s failed (attempt %d), retrying in %.2fs: %s", name, self.run_id, attempt, delay, exc
+                )
                 time.sleep(max(0.0, delay))
                 self.engine.store.recover()  # a step that lost its database connection retries on a fresh one
                 self._ensure_running()
@@ -300,9 +301,7 @@ class WorkflowContext:
             )
         return position, recorded
 
-    def _deadline(
-        self, position: int, recorded: StepEntry | None, name: str, compute: Callable[[], datetime]
-    ) -> datetime | None:
+    def _deadline(self, position: int, recorded: StepEntry | None, name: str, compute: Callable[[], datetime]) -> datetime | None:
         """The deadline journaled at ``position``, or computed now and journaled (``waiting``)."""
         if recorded is not None and recorded.outcome == "waiting":
             return datetime.fromisoformat(recorded.output["until"])
@@ -429,9 +428,7 @@ def _child_error(error: dict[str, Any]) -> exceptions.ChildWorkflowError:
     if cause:
         fields = {k: cause[k] for k in ("workflow", "key", "limit", "active")}
         if cause.get("code") == exceptions.ConcurrencyQueueFullError.code:
-            exc.__cause__ = exceptions.ConcurrencyQueueFullError(
-                **fields, queued=cause["queued"], max_queued=cause["max_queued"]
-            )
+            exc.__cause__ = exceptions.ConcurrencyQueueFullError(**fields, queued=cause["queued"], max_queued=cause["max_queued"])
         else:
             exc.__cause__ = exceptions.ConcurrencyLimitError(**fields)
     return exc

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 from durable.stores.base import RunRecord
 
@@ -43,7 +43,7 @@ class Dispatcher:
 
 #: A dispatcher given as a plain function ``fn(engine, run)``: it only sends.
 DispatchFn = Callable[["Engine", RunRecord], None]
-DispatcherLike = Union[Dispatcher, DispatchFn]
+DispatcherLike = Dispatcher | DispatchFn
 
 
 class FunctionDispatcher(Dispatcher):
@@ -80,9 +80,7 @@ def as_dispatcher(dispatch: DispatcherLike | None) -> Dispatcher:
         return dispatch
     if callable(dispatch):
         return FunctionDispatcher(dispatch)
-    raise TypeError(
-        f"A dispatcher is a durable.runtime.dispatch.Dispatcher or a function fn(engine, run), got {dispatch!r}."
-    )
+    raise TypeError(f"A dispatcher is a durable.runtime.dispatch.Dispatcher or a function fn(engine, run), got {dispatch!r}.")
 
 
 _default: Dispatcher | None = None

@@ -25,6 +25,7 @@ from durable.util import check_json
 
 logger = logging.getLogger(__name__)
 
+
 class RunHandle:
     """A reference to one run. ``status`` is as of the last read; ``refresh()`` reads again."""
 
@@ -217,9 +218,7 @@ class Engine:
             # A child counts in its parent's namespace with its parent's fencing,
             # whatever the fencing of the engine that executes the parent.
             engine = self.in_namespace(ancestors[0].namespace, scope_reads=ancestors[0].fenced)
-            return engine.start(
-                name, input, run_id, concurrency, version=definition.version, parent_run_id=parent_run_id
-            )
+            return engine.start(name, input, run_id, concurrency, version=definition.version, parent_run_id=parent_run_id)
         specs = definition.concurrency if concurrency is None else _per_start(concurrency)
         quotas = _concurrency.resolve(specs, input)
         record = RunRecord(
@@ -332,9 +331,7 @@ class Engine:
         tag: str | None = None,
         statuses: Sequence[str] | None = None,
     ) -> list[RunHandle]:
-        records = self.store.list_runs(
-            workflow=workflow, tag=tag, statuses=statuses, namespace=self.read_namespace
-        )
+        records = self.store.list_runs(workflow=workflow, tag=tag, statuses=statuses, namespace=self.read_namespace)
         return [RunHandle(self, r) for r in records]
 
     def count_runs(self, tag: str | None = None, statuses: Sequence[str] | None = None) -> int:
@@ -395,7 +392,9 @@ class Engine:
         quotas = _concurrency.resolve(specs, record.input)
         with self.store.admission(quotas):
             # A retry never queues nor cancels: a full key refuses it, whatever its strategy.
-            admission.decide(self.admission_scope, record.workflow, [replace(q, strategy=_concurrency.Strategy.REJECT) for q in quotas])
+            admission.decide(
+                self.admission_scope, record.workflow, [replace(q, strategy=_concurrency.Strategy.REJECT) for q in quotas]
+            )
             if not self.store.retry(run_id, from_statuses=sorted(RETRYABLE_STATUSES), tags=[q.tag for q in quotas]):
                 current = self._load(run_id).status
                 raise exceptions.RunTerminalError(
@@ -493,9 +492,7 @@ def _per_start(spec: _concurrency.ConcurrencySpec) -> tuple[_concurrency.Concurr
     specs = _concurrency.normalize(spec)
     for c in specs:
         if not c.is_static:
-            raise exceptions.InvalidStartError(
-                "A per-start Concurrency takes a plain string key and an integer limit."
-            )
+            raise exceptions.InvalidStartError("A per-start Concurrency takes a plain string key and an integer limit.")
     return specs
 
 
@@ -523,9 +520,7 @@ def _check_run_id(run_id: Any) -> None:
     be ``.`` or ``..`` (clients resolve them as relative path segments).
     """
     if not isinstance(run_id, str) or not 0 < len(run_id) <= MAX_RUN_ID_LENGTH:
-        raise exceptions.InvalidStartError(
-            f"A run id must be a string of 1 to {MAX_RUN_ID_LENGTH} characters, got {run_id!r}."
-        )
+        raise exceptions.InvalidStartError(f"A run id must be a string of 1 to {MAX_RUN_ID_LENGTH} characters, got {run_id!r}.")
     problem = ""
     if "/" in run_id:
         problem = "contains '/'"

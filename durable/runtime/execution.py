@@ -100,7 +100,7 @@ class Executor:
                 except exceptions.Suspend as suspend:
                     wake_at = suspend.wake_at
                     if self.store.suspend(run_id, lease, waiting_for=suspend.waiting_for, wake_at=wake_at):
-                        self._after(record, lambda run: self._suspended(run, wake_at))
+                        self._after(record, lambda run, wake_at=wake_at: self._suspended(run, wake_at))
                         return
                     if lost.is_set() or not self._owns(run_id, lease):
                         # Cancelled (or taken over) between journaling the wait and parking.
@@ -129,9 +129,11 @@ class Executor:
         released = self._release(record.run_id, lease, **fields)
         logger.warning(
             "Run %s was interrupted by an error of durable's own calls%s: %s",
-            record.run_id, " and is delivered again" if released else "", exc,
+            record.run_id,
+            " and is delivered again" if released else "",
+            exc,
             exc_info=None if transient else exc,  # not a lost connection: show where it came from
-        )  # fmt: skip
+        )
         return released
 
     def _release(self, run_id: str, lease: str, **fields: Any) -> bool:
@@ -139,16 +141,22 @@ class Executor:
         try:
             return bool(
                 self.store.transition(
-                    run_id, from_statuses=[RunStatus.RUNNING], to=RunStatus.PENDING, expect={"lease": lease},
-                    lease="", **fields,
-                )  # fmt: skip
+                    run_id,
+                    from_statuses=[RunStatus.RUNNING],
+                    to=RunStatus.PENDING,
+                    expect={"lease": lease},
+                    lease="",
+                    **fields,
+                )
             )
         except Exception as exc:
             self._recover()
             logger.warning(
                 "Run %s could not be handed back after an infrastructure error (%s); if it is running, "
-                "the sweeper takes it over after STALE_AFTER.", run_id, exc,
-            )  # fmt: skip
+                "the sweeper takes it over after STALE_AFTER.",
+                run_id,
+                exc,
+            )
             return False
 
     def _recover(self) -> None:
@@ -156,7 +164,7 @@ class Executor:
         try:
             self.store.recover()
         except Exception:  # closing a dead connection may fail too; the next call reconnects
-                logger.debug("Could not close the store's connection", exc_info=True)
+            logger.debug("Could not close the store's connection", exc_info=True)
 
     def _owns(self, run_id: str, lease: str) -> bool:
         record = self.store.get_run(run_id)
@@ -173,8 +181,7 @@ class Executor:
         try:
             hook(run)
         except Exception:
-            logger.warning("Run %s: a follow-up of its state change failed; the sweeper covers it.",
-                           run.run_id, exc_info=True)  # fmt: skip
+            logger.warning("Run %s: a follow-up of its state change failed; the sweeper covers it.", run.run_id, exc_info=True)
 
     def ended(self, run: RunRecord) -> None:
         """A run reached a terminal status: free its slots, wake a parent waiting for it.
@@ -328,9 +335,7 @@ class Executor:
         }
 
     # -- remote workflows ------------------------------------------------------------------------
-    def check_remote_queues(
-        self, live_queues: Sequence[str] | None = None, *, block: bool = True
-    ) -> tuple[list[str], list[str]]:
+    def check_remote_queues(self, live_queues: Sequence[str] | None = None, *, block: bool = True) -> tuple[list[str], list[str]]:
         """Mark pending runs of queues no live worker consumes ``blocked`` (when
         ``block``); send blocked runs whose queue has a worker again. ``live_queues``
         defaults to asking the dispatcher's workers (only when there are such runs)."""
@@ -348,9 +353,8 @@ class Executor:
                 if self.store.transition(run.run_id, from_statuses=[RunStatus.PENDING], to=RunStatus.BLOCKED):
                     blocked.append(run.run_id)
                     self.released(run)  # if "blocked" does not count for a key, its slot is free now
-            elif run.status == RunStatus.BLOCKED and run.queue in live:
-                if self.reenter(run, RunStatus.BLOCKED):
-                    unblocked.append(run.run_id)
+            elif run.status == RunStatus.BLOCKED and run.queue in live and self.reenter(run, RunStatus.BLOCKED):
+                unblocked.append(run.run_id)
         if blocked:
             logger.warning("%d runs are blocked: no live worker consumes their queue.", len(blocked))
         return blocked, unblocked

@@ -53,9 +53,7 @@ class Registry:
             raise ValueError(f"A queue name must be a string of at most 200 characters, got {queue!r}.")
         if isinstance(on_events, str) or not all(isinstance(e, str) and e for e in on_events):
             raise ValueError(f"on_events must be a list of event names, got {on_events!r}.")
-        definition = Definition(
-            name, version, fn, concurrency.normalize(concurrency_spec), queue, tuple(on_events)
-        )
+        definition = Definition(name, version, fn, concurrency.normalize(concurrency_spec), queue, tuple(on_events))
         with self._lock:
             self._versions.setdefault(name, {})[version] = definition
             # The version registered last is the one new runs start on.

@@ -131,9 +131,7 @@ def _start(schedule: models.Schedule, window: datetime, run_id: str, *, now: dat
         _record_error(schedule, message, now)
         logger.warning("Schedule %r: %s", schedule.name, message)
         return Firing(schedule.name, window, run_id, Outcome.SKIPPED, handle=handle, error=message)
-    models.Schedule.objects.filter(pk=schedule.pk).update(
-        last_run_at=now, last_run_id=run_id, last_error="", last_error_at=None
-    )
+    models.Schedule.objects.filter(pk=schedule.pk).update(last_run_at=now, last_run_id=run_id, last_error="", last_error_at=None)
     schedule.last_run_at, schedule.last_run_id, schedule.last_error, schedule.last_error_at = now, run_id, "", None
     logger.info("Schedule %r: %s started run %s.", schedule.name, label, run_id)
     return Firing(schedule.name, window, run_id, Outcome.STARTED, handle=handle)
@@ -152,4 +150,3 @@ def _record_error(schedule: models.Schedule, message: str, now: datetime) -> Non
 
 def _stamp(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-

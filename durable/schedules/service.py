@@ -28,6 +28,7 @@ class _Unset(enum.Enum):
 #: "Leave this setting as it is" in ``update_schedule``.
 UNSET: Literal[_Unset.UNSET] = _Unset.UNSET
 
+
 def create_schedule(
     name: str,
     workflow: str,

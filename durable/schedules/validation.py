@@ -144,8 +144,7 @@ def validate(values: dict[str, Any], *, registry: Registry | None = None) -> dic
     if key and limit is None:
         error(
             "concurrency_limit",
-            f"The concurrency key {key!r} needs a limit: how many runs of the key may be in flight "
-            "when a window starts.",
+            f"The concurrency key {key!r} needs a limit: how many runs of the key may be in flight when a window starts.",
         )
     if not key and limit is not None:
         error(
@@ -217,9 +216,7 @@ def _shortest_gap(cron: str, minimum: int) -> int | None:
     days = [
         day
         for day in (date(2001, 1, 1) + timedelta(days=n) for n in range(28 * 365 + 7))
-        if day.day in crontab.day_of_month
-        and day.month in crontab.month_of_year
-        and day.isoweekday() % 7 in crontab.day_of_week
+        if day.day in crontab.day_of_month and day.month in crontab.month_of_year and day.isoweekday() % 7 in crontab.day_of_week
     ]
     spans = [(later - earlier).days for earlier, later in zip(days, days[1:], strict=False)]
     if not spans:
@@ -247,4 +244,3 @@ def _beat_crontab(cron: str) -> celery_schedules.crontab:
 @lru_cache(maxsize=1)
 def _timezones() -> frozenset[str]:
     return frozenset(zoneinfo.available_timezones())
-

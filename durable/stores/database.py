@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -24,10 +25,30 @@ if TYPE_CHECKING:
     from durable.models import WorkflowRun
 
 _RECORD_FIELDS = (
-    "run_id", "workflow", "version", "namespace", "status", "input", "output", "error",
-    "attempt", "generation", "lease", "worker", "created_at", "updated_at", "started_at", "finished_at",
-    "heartbeat_at", "dispatched_at", "redispatches", "queue", "waiting_for", "wake_at", "fenced",
-)  # fmt: skip
+    "run_id",
+    "workflow",
+    "version",
+    "namespace",
+    "status",
+    "input",
+    "output",
+    "error",
+    "attempt",
+    "generation",
+    "lease",
+    "worker",
+    "created_at",
+    "updated_at",
+    "started_at",
+    "finished_at",
+    "heartbeat_at",
+    "dispatched_at",
+    "redispatches",
+    "queue",
+    "waiting_for",
+    "wake_at",
+    "fenced",
+)
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
@@ -189,16 +210,23 @@ class DjangoStore(BaseStore):
             return False
         ordered = sorted(quotas, key=lambda q: q.key)
         groups = group_keys([q.tag for q in ordered])
-        payload = [
-            {"key": q.key, "limit": q.limit, "statuses": list(q.count_statuses), "group": groups[q.tag]}
-            for q in ordered
-        ]
+        payload = [{"key": q.key, "limit": q.limit, "statuses": list(q.count_statuses), "group": groups[q.tag]} for q in ordered]
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT * FROM durable_admit(%s::jsonb, %s, %s, %s, %s, %s, %s::jsonb, %s, %s, %s)",
-                [json.dumps(payload), count_namespace, record.run_id, record.workflow, record.version,
-                 record.namespace, json.dumps(record.input), record.parent_run_id, record.queue, run_id_given],
-            )  # fmt: skip
+                [
+                    json.dumps(payload),
+                    count_namespace,
+                    record.run_id,
+                    record.workflow,
+                    record.version,
+                    record.namespace,
+                    json.dumps(record.input),
+                    record.parent_run_id,
+                    record.queue,
+                    run_id_given,
+                ],
+            )
             outcome, key, limit, active, _ = cursor.fetchone()
         if outcome == "full":  # the function recorded the refused limits already
             raise exceptions.ConcurrencyLimitError(workflow=record.workflow, key=key, limit=limit, active=active)
@@ -292,14 +320,15 @@ class DjangoStore(BaseStore):
             fields = {"dispatched_at": timezone.now(), "redispatches": 0, **fields}
         return self._set_status(qs, to, **fields)
 
-    def claim(
-        self, run_id: str, *, lease: str, worker: str, stale_before: datetime
-    ) -> RunRecord | None:
+    def claim(self, run_id: str, *, lease: str, worker: str, stale_before: datetime) -> RunRecord | None:
         now = timezone.now()
-        qs = self._runs().filter(run_id=run_id).filter(
-            # A worker that got the message of a blocked run proves its queue is served.
-            Q(status__in=[RunStatus.PENDING, RunStatus.BLOCKED])
-            | Q(status=RunStatus.RUNNING, heartbeat_at__lt=stale_before)
+        qs = (
+            self._runs()
+            .filter(run_id=run_id)
+            .filter(
+                # A worker that got the message of a blocked run proves its queue is served.
+                Q(status__in=[RunStatus.PENDING, RunStatus.BLOCKED]) | Q(status=RunStatus.RUNNING, heartbeat_at__lt=stale_before)
+            )
         )
         claimed = self._set_status(
             qs,
@@ -315,20 +344,12 @@ class DjangoStore(BaseStore):
 
     @_reconnecting
     def heartbeat(self, run_id: str, lease: str) -> bool:
-        return bool(
-            self._runs()
-            .filter(run_id=run_id, status=RunStatus.RUNNING, lease=lease)
-            .update(heartbeat_at=timezone.now())
-        )
+        return bool(self._runs().filter(run_id=run_id, status=RunStatus.RUNNING, lease=lease).update(heartbeat_at=timezone.now()))
 
     @_reconnecting
-    def finish(
-        self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None
-    ) -> bool:
+    def finish(self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None) -> bool:
         qs = self._runs().filter(run_id=run_id, status=RunStatus.RUNNING, lease=lease)
-        return self._set_status(
-            qs, status, output=output, error=error, lease="", finished_at=timezone.now()
-        )
+        return self._set_status(qs, status, output=output, error=error, lease="", finished_at=timezone.now())
 
     def retry(self, run_id: str, *, from_statuses: Sequence[str], tags: Sequence[str]) -> bool:
         models = _models()
@@ -348,9 +369,7 @@ class DjangoStore(BaseStore):
             )
             if done:
                 run = self._runs().get(run_id=run_id)
-                models.StepRecord.objects.using(self.using).filter(
-                    run=run, outcome=models.StepRecord.Outcome.FAILED
-                ).delete()
+                models.StepRecord.objects.using(self.using).filter(run=run, outcome=models.StepRecord.Outcome.FAILED).delete()
                 models.RunTag.objects.using(self.using).filter(run=run).delete()
                 self._create_tags(run, tags)
         return done
@@ -411,9 +430,12 @@ class DjangoStore(BaseStore):
             if run is None:
                 return False
             kind, _, target = waiting_for.partition(":")
-            if kind == "signal" and models.Signal.objects.using(self.using).filter(
-                run_id=run, name=target, consumed_at_position__isnull=True
-            ).exists():
+            if (
+                kind == "signal"
+                and models.Signal.objects.using(self.using)
+                .filter(run_id=run, name=target, consumed_at_position__isnull=True)
+                .exists()
+            ):
                 return False
             if kind == "child" and self._runs().filter(run_id=target, status__in=TERMINAL_STATUSES).exists():
                 return False
@@ -506,12 +528,7 @@ class DjangoStore(BaseStore):
         _models().ConcurrencyLock.objects.using(self.using).filter(key=key).update(rr_cursor=group)
 
     def keys_with_queued(self) -> dict[str, list[str]]:
-        rows = (
-            self._tags()
-            .filter(status=RunStatus.QUEUED, tag__startswith=TAG_PREFIX)
-            .values_list("namespace", "tag")
-            .distinct()
-        )
+        rows = self._tags().filter(status=RunStatus.QUEUED, tag__startswith=TAG_PREFIX).values_list("namespace", "tag").distinct()
         found: dict[str, list[str]] = {}
         for namespace, tag in sorted(rows):
             found.setdefault(namespace, []).append(tag[len(TAG_PREFIX) :])
@@ -526,16 +543,12 @@ class DjangoStore(BaseStore):
         return [to_record(run) for run in self._runs().undelivered(dispatched_before).select_related("parent")[:1000]]
 
     def mark_dispatched(self, run_ids: Sequence[str]) -> None:
-        self._runs().filter(run_id__in=list(run_ids)).update(
-            dispatched_at=timezone.now(), redispatches=F("redispatches") + 1
-        )
+        self._runs().filter(run_id__in=list(run_ids)).update(dispatched_at=timezone.now(), redispatches=F("redispatches") + 1)
 
     def release_thread(self) -> None:
         """Close this thread's connection (called by helper threads when they end)."""
-        try:
+        with contextlib.suppress(OperationalError, InterfaceError):  # a broken connection is gone already
             connections[self.using].close()
-        except (OperationalError, InterfaceError):
-            pass  # a connection that broke is gone already
 
     def recover(self) -> bool:
         """Close this thread's connection if an error left it unusable, so that the

@@ -135,16 +135,12 @@ class InMemoryStore(BaseStore):
             fields = {"dispatched_at": timezone.now(), "redispatches": 0, **fields}
         return self._update(run_id, check, status=to, **fields)
 
-    def claim(
-        self, run_id: str, *, lease: str, worker: str, stale_before: datetime
-    ) -> RunRecord | None:
+    def claim(self, run_id: str, *, lease: str, worker: str, stale_before: datetime) -> RunRecord | None:
         with self._lock:
             run = self._runs.get(run_id)
             if run is None:
                 return None
-            stale = run.status == RunStatus.RUNNING and (
-                run.heartbeat_at is None or run.heartbeat_at < stale_before
-            )
+            stale = run.status == RunStatus.RUNNING and (run.heartbeat_at is None or run.heartbeat_at < stale_before)
             if run.status not in (RunStatus.PENDING, RunStatus.BLOCKED) and not stale:
                 return None
             now = timezone.now()
@@ -162,9 +158,7 @@ class InMemoryStore(BaseStore):
     def heartbeat(self, run_id: str, lease: str) -> bool:
         return self._update(run_id, self._owned(lease), heartbeat_at=timezone.now())
 
-    def finish(
-        self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None
-    ) -> bool:
+    def finish(self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None) -> bool:
         return self._update(
             run_id,
             self._owned(lease),
@@ -231,9 +225,14 @@ class InMemoryStore(BaseStore):
             if child is not None and child.status in TERMINAL_STATUSES:
                 return False
             return self._update(
-                run_id, lambda r: True, status=RunStatus.SUSPENDED, waiting_for=waiting_for,
-                wake_at=wake_at, lease="", attempt=0,
-            )  # fmt: skip
+                run_id,
+                lambda r: True,
+                status=RunStatus.SUSPENDED,
+                waiting_for=waiting_for,
+                wake_at=wake_at,
+                lease="",
+                attempt=0,
+            )
 
     def add_signal(self, run_id: str, name: str, payload: Any) -> RunRecord | None:
         with self._lock:
@@ -257,9 +256,7 @@ class InMemoryStore(BaseStore):
     def active_children(self, run_id: str) -> list[RunRecord]:
         with self._lock:
             return [
-                copy.deepcopy(r)
-                for r in self._runs.values()
-                if r.parent_run_id == run_id and r.status not in TERMINAL_STATUSES
+                copy.deepcopy(r) for r in self._runs.values() if r.parent_run_id == run_id and r.status not in TERMINAL_STATUSES
             ]
 
     def due_runs(self, now: datetime) -> list[RunRecord]:

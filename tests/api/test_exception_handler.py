@@ -62,8 +62,12 @@ def test_project_view_turns_a_full_quota_into_429(settings: Any) -> None:
     body = response.json()
     assert set(body) == {"detail", "code", "workflow", "key", "limit", "active"}
     assert (body["code"], body["workflow"], body["key"], body["limit"], body["active"]) == (
-        "concurrency_limit", "test.add", "acme", 3, 3,
-    )  # fmt: skip
+        "concurrency_limit",
+        "test.add",
+        "acme",
+        3,
+        3,
+    )
     assert models.WorkflowRun.objects.count() == before
 
 

@@ -135,9 +135,7 @@ def test_quota_shows_the_age_of_the_oldest_queued_run(api: APIClient) -> None:
 
 
 @pytest.mark.parametrize("new_limit", [2, 3])
-def test_a_refused_start_shows_the_limit_it_was_refused_with(
-    api: APIClient, admin_client: Any, new_limit: int
-) -> None:
+def test_a_refused_start_shows_the_limit_it_was_refused_with(api: APIClient, admin_client: Any, new_limit: int) -> None:
     # The plan allows 5, three runs are in flight, then the plan drops to 2 (or 3):
     # the next start is refused with the new limit, and the API and the admin say
     # "3 of <new limit>" (not "3 of 5", which would promise two more starts).

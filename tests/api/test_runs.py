@@ -115,9 +115,7 @@ def test_list_query_count_does_not_grow_with_the_page(api: APIClient, django_ass
     assert len(child["tags"]) == 2 and len(child["steps"]) == 2
 
 
-def test_detail_reads_the_run_its_tags_and_steps_in_three_queries(
-    api: APIClient, django_assert_num_queries: Any
-) -> None:
+def test_detail_reads_the_run_its_tags_and_steps_in_three_queries(api: APIClient, django_assert_num_queries: Any) -> None:
     run = WorkflowRunFactory(run_id="r1")
     tagged(run, "a", "b")
     StepRecordFactory(run=run, position=0)
@@ -151,10 +149,26 @@ def test_detail_shows_the_run_with_tags_and_steps(api: APIClient) -> None:
     assert response.status_code == 200
     body = response.json()
     assert set(body) == {
-        "run_id", "workflow", "version", "namespace", "status", "input", "output", "error", "attempt",
-        "parent_run_id", "queue", "waiting_for", "wake_at", "created_at", "updated_at", "started_at",
-        "finished_at", "tags", "steps",
-    }  # fmt: skip
+        "run_id",
+        "workflow",
+        "version",
+        "namespace",
+        "status",
+        "input",
+        "output",
+        "error",
+        "attempt",
+        "parent_run_id",
+        "queue",
+        "waiting_for",
+        "wake_at",
+        "created_at",
+        "updated_at",
+        "started_at",
+        "finished_at",
+        "tags",
+        "steps",
+    }
     assert (body["run_id"], body["workflow"], body["status"], body["attempt"]) == ("r1", "test.add", "failed", 2)
     assert body["error"] == {"type": "x.Boom", "message": "boom"}
     assert body["input"] == {"a": 1}

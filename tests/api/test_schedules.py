@@ -53,8 +53,9 @@ def test_urls() -> None:
 def test_unauthenticated_requests_are_refused(anon: APIClient, method_url: str) -> None:
     schedules.create_schedule("digest", "test.add", {}, every=60)
     method, which = method_url.split()
-    url = {"list": list_url(), "detail": detail_url("digest"), "pause": pause_url("digest"),
-           "resume": resume_url("digest")}[which]  # fmt: skip
+    url = {"list": list_url(), "detail": detail_url("digest"), "pause": pause_url("digest"), "resume": resume_url("digest")}[
+        which
+    ]
     response = getattr(anon, method)(url, body(name="other"), format="json")
     assert response.status_code in (401, 403)
     assert response.json()["code"] == "not_authenticated"
@@ -66,10 +67,21 @@ def test_create_answers_201_with_the_schedule_and_its_beat_entry(api: APIClient)
     assert response.status_code == 201, response.json()
     data = response.json()
     expected = {
-        "name": "digest", "workflow": "test.add", "input": {"a": 1, "b": 2}, "cron": "0 9 * * *", "every": None,
-        "timezone": "Europe/Paris", "enabled": True, "namespace": "default", "concurrency_key": "tenant:acme",
-        "concurrency_limit": 8, "last_run_at": None, "last_run_id": "", "last_error": "", "last_error_at": None,
-    }  # fmt: skip
+        "name": "digest",
+        "workflow": "test.add",
+        "input": {"a": 1, "b": 2},
+        "cron": "0 9 * * *",
+        "every": None,
+        "timezone": "Europe/Paris",
+        "enabled": True,
+        "namespace": "default",
+        "concurrency_key": "tenant:acme",
+        "concurrency_limit": 8,
+        "last_run_at": None,
+        "last_run_id": "",
+        "last_error": "",
+        "last_error_at": None,
+    }
     assert {k: data[k] for k in expected} == expected
     assert data["created_at"] and data["updated_at"]
     task = PeriodicTask.objects.get()
@@ -106,9 +118,7 @@ def test_create_an_interval_schedule_with_defaults(api: APIClient) -> None:
         ({"cronn": "0 9 * * *"}, "cronn", "Unknown field"),
     ],
 )
-def test_bad_settings_answer_400_and_create_nothing(
-    api: APIClient, fields: dict[str, Any], field: str, message: str
-) -> None:
+def test_bad_settings_answer_400_and_create_nothing(api: APIClient, fields: dict[str, Any], field: str, message: str) -> None:
     response = create(api, **fields)
     assert response.status_code == 400
     errors = response.json()

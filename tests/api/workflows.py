@@ -12,9 +12,7 @@ class QueuedWorkflow(DurableWorkflow):
 
     name = "api.queued"
     version = "1"
-    concurrency = Concurrency(
-        key=lambda input: input["key"], limit=1, strategy=Strategy.GROUP_ROUND_ROBIN, max_queued=1
-    )
+    concurrency = Concurrency(key=lambda input: input["key"], limit=1, strategy=Strategy.GROUP_ROUND_ROBIN, max_queued=1)
 
     def run(self, ctx: WorkflowContext, input: Any) -> Any:
         return input

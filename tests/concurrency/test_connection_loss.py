@@ -36,8 +36,14 @@ def allow_connections(allow: bool) -> None:
     import psycopg
 
     db = connection.settings_dict
-    with psycopg.connect(host=db["HOST"], port=db["PORT"] or 5432, user=db["USER"], password=db["PASSWORD"] or None,
-                         dbname="postgres", autocommit=True) as admin:  # fmt: skip
+    with psycopg.connect(
+        host=db["HOST"],
+        port=db["PORT"] or 5432,
+        user=db["USER"],
+        password=db["PASSWORD"] or None,
+        dbname="postgres",
+        autocommit=True,
+    ) as admin:
         admin.execute(f'ALTER DATABASE "{db["NAME"]}" ALLOW_CONNECTIONS {"true" if allow else "false"}')
 
 

@@ -48,7 +48,17 @@ def run_race(tmp_path: Path, keys: list[str]) -> dict[str, int]:
         procs.append(subprocess.Popen([sys.executable, "-m", "tests.concurrency.race_worker", *args, *common], cwd=ROOT))
     completers = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.concurrency.race_worker", "complete", "--name", f"c{i}", "--seed", str(100 + i), *common],
+            [
+                sys.executable,
+                "-m",
+                "tests.concurrency.race_worker",
+                "complete",
+                "--name",
+                f"c{i}",
+                "--seed",
+                str(100 + i),
+                *common,
+            ],
             cwd=ROOT,
         )
         for i in range(COMPLETERS)

@@ -124,8 +124,17 @@ def promotions() -> dict[tuple[str, str], list[int]]:
     return order
 
 
-def race(tmp_path: Path, *, starts_each: int, keys: list[str], limit: int, strategy: Strategy,
-         completers: int = 0, complete_keys: list[str] | None = None, extra: Sequence[str] = ()) -> dict[str, Any]:  # fmt: skip
+def race(
+    tmp_path: Path,
+    *,
+    starts_each: int,
+    keys: list[str],
+    limit: int,
+    strategy: Strategy,
+    completers: int = 0,
+    complete_keys: list[str] | None = None,
+    extra: Sequence[str] = (),
+) -> dict[str, Any]:
     """Run STARTERS starter processes (and ``completers``), released together by the
     ``go`` file; return what they did, summed. Every process must exit 0."""
     db_name = settings.DATABASES["default"]["NAME"]
@@ -136,8 +145,10 @@ def race(tmp_path: Path, *, starts_each: int, keys: list[str], limit: int, strat
         with open(tmp_path / f"{name}.log", "wb") as log:  # the child keeps its own copy of the handle
             procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "tests.concurrency.strategy_worker", *args, "--name", name, *common],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            )  # fmt: skip
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
 
     def finished(name: str) -> None:
         code = procs[name].wait(timeout=60)
@@ -160,8 +171,13 @@ def race(tmp_path: Path, *, starts_each: int, keys: list[str], limit: int, strat
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    totals: dict[str, Any] = {"starts": 0, "created": collections.Counter(), "errors": collections.Counter(),
-                              "executed": 0, "cancelled": 0}  # fmt: skip
+    totals: dict[str, Any] = {
+        "starts": 0,
+        "created": collections.Counter(),
+        "errors": collections.Counter(),
+        "executed": 0,
+        "cancelled": 0,
+    }
     for path in tmp_path.glob("result-*.json"):
         for name, value in json.loads(path.read_text()).items():
             totals[name] += collections.Counter(value) if isinstance(value, dict) else value
@@ -176,9 +192,7 @@ def in_flight(key: str) -> int:
 def stranded(limits: dict[str, int]) -> list[str]:
     """Queued runs none of whose keys is full: they wait for nothing."""
     tags = {f"concurrency:{k}": limit for k, limit in limits.items()}
-    counts = collections.Counter(
-        RunTag.objects.filter(tag__in=list(tags), status__in=IN_FLIGHT).values_list("tag", flat=True)
-    )
+    counts = collections.Counter(RunTag.objects.filter(tag__in=list(tags), status__in=IN_FLIGHT).values_list("tag", flat=True))
     full = {tag for tag, limit in tags.items() if counts[tag] >= limit}
     queued_tags: dict[str, set[str]] = collections.defaultdict(set)
     for run_id, tag in RunTag.objects.filter(tag__in=list(tags), status=RunStatus.QUEUED).values_list("run__run_id", "tag"):
@@ -221,9 +235,7 @@ def drain(limits: dict[str, int]) -> None:
 # -- GROUP_ROUND_ROBIN ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "nkeys, max_queued", [(1, 10), (4, None)], ids=["one-new-key-max-queued", "four-keys-unbounded"]
-)
+@pytest.mark.parametrize("nkeys, max_queued", [(1, 10), (4, None)], ids=["one-new-key-max-queued", "four-keys-unbounded"])
 def test_group_round_robin_hands_off_without_exceeding_or_stranding(
     tmp_path: Path, gauge: None, nkeys: int, max_queued: int | None
 ) -> None:
@@ -231,8 +243,15 @@ def test_group_round_robin_hands_off_without_exceeding_or_stranding(
     limits = {f"grr:{uuid.uuid4().hex[:8]}:{i}": limit for i in range(nkeys)}
     watch(*limits)
     extra = [] if max_queued is None else ["--max-queued", str(max_queued)]
-    totals = race(tmp_path, starts_each=20, keys=list(limits), limit=limit, strategy=Strategy.GROUP_ROUND_ROBIN,
-                  completers=COMPLETERS, extra=extra)  # fmt: skip
+    totals = race(
+        tmp_path,
+        starts_each=20,
+        keys=list(limits),
+        limit=limit,
+        strategy=Strategy.GROUP_ROUND_ROBIN,
+        completers=COMPLETERS,
+        extra=extra,
+    )
     observed = gauges()
 
     for key in limits:
@@ -349,9 +368,16 @@ def test_tenant_and_global_keys_neither_deadlock_nor_exceed(tmp_path: Path, gaug
     watch(*limits)
     # Every process exits 0 within race()'s timeouts: a deadlock would fail there
     # (PostgreSQL aborts one side with DeadlockDetected, and that process exits 1).
-    totals = race(tmp_path, starts_each=20, keys=tenants, limit=tenant_limit, strategy=Strategy.GROUP_ROUND_ROBIN,
-                  completers=COMPLETERS, complete_keys=[shared],
-                  extra=["--global-key", shared, "--global-limit", str(global_limit)])  # fmt: skip
+    totals = race(
+        tmp_path,
+        starts_each=20,
+        keys=tenants,
+        limit=tenant_limit,
+        strategy=Strategy.GROUP_ROUND_ROBIN,
+        completers=COMPLETERS,
+        complete_keys=[shared],
+        extra=["--global-key", shared, "--global-limit", str(global_limit)],
+    )
     observed = gauges()
     assert observed[shared]["hwm"] == global_limit, observed[shared]
     assert max(observed[t]["hwm"] for t in tenants) == tenant_limit, observed

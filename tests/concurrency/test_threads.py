@@ -193,9 +193,7 @@ def test_a_wake_up_queued_while_a_slot_frees_is_handed_that_slot() -> None:
     engine = _restart_engine(quota)
     sleeper = engine.start("w", {})
     past = timezone.now() - timedelta(seconds=1)
-    assert engine.store.transition(
-        sleeper.run_id, from_statuses=["pending"], to="suspended", waiting_for="sleep", wake_at=past
-    )
+    assert engine.store.transition(sleeper.run_id, from_statuses=["pending"], to="suspended", waiting_for="sleep", wake_at=past)
     holder = engine.start("w", {})  # "suspended" does not count: the key's slot is the holder's
     assert holder.status == "pending"
     queued, cancelled = threading.Event(), threading.Event()

@@ -49,9 +49,7 @@ def act(client: Client, action: str, *runs: models.WorkflowRun) -> HttpResponse:
 
 def add_run(status: str, key: str, **fields: Any) -> models.WorkflowRun:
     """A run of the registered ``test.add`` workflow (quota: 3 per input["key"])."""
-    run = WorkflowRunFactory(
-        workflow="test.add", version="1", status=status, input={"key": key, "a": 1, "b": 2}, **fields
-    )
+    run = WorkflowRunFactory(workflow="test.add", version="1", status=status, input={"key": key, "a": 1, "b": 2}, **fields)
     tagged(run, f"concurrency:{key}")
     return run
 
@@ -352,9 +350,7 @@ def test_quotas_changelist_shows_counts_limit_and_oldest(admin_client: Client) -
     assert '<td class="field-oldest_queued">—</td>' in new
 
 
-def test_quotas_changelist_query_count_does_not_grow_with_keys(
-    admin_client: Client, django_assert_max_num_queries: Any
-) -> None:
+def test_quotas_changelist_query_count_does_not_grow_with_keys(admin_client: Client, django_assert_max_num_queries: Any) -> None:
     for i in range(25):
         models.ConcurrencyLock.objects.create(key=f"tenant:{i}", limit=5)
         run = WorkflowRunFactory(status=RunStatus.RUNNING)

@@ -40,8 +40,13 @@ def test_no_run_fails_while_the_database_drops_its_connections_under_load(worker
     for _ in range(TERMINATIONS):  # connections dropped while steps run and journal
         progress = len(_lines(log))
         faults += terminate_other_backends() > 0
-        done = lambda: sum(h.refresh().status in TERMINAL_STATUSES for h in handles) == RUNS  # noqa: E731
-        wait_for(lambda: len(_lines(log)) >= progress + 8 or done(), timeout=90, what="progress after the blip")
+        wait_for(
+            lambda progress=progress: (
+                len(_lines(log)) >= progress + 8 or all(h.refresh().status in TERMINAL_STATUSES for h in handles)
+            ),
+            timeout=90,
+            what="progress after the blip",
+        )
 
     assert faults == TERMINATIONS  # each blip cut the worker's connections
 
@@ -50,16 +55,18 @@ def test_no_run_fails_while_the_database_drops_its_connections_under_load(worker
     try:
         terminate_other_backends()
         wait_for(
-            lambda: "interrupted" in worker_processes.log("chaos") or "Heartbeat of run" in worker_processes.log("chaos")
-            or all(h.refresh().status in TERMINAL_STATUSES for h in handles),
-            timeout=60, what="the worker to meet the outage",
-        )  # fmt: skip
+            lambda: (
+                "interrupted" in worker_processes.log("chaos")
+                or "Heartbeat of run" in worker_processes.log("chaos")
+                or all(h.refresh().status in TERMINAL_STATUSES for h in handles)
+            ),
+            timeout=60,
+            what="the worker to meet the outage",
+        )
     finally:
         allow_connections(True)
 
-    wait_for(
-        lambda: all(h.refresh().status in TERMINAL_STATUSES for h in handles), timeout=240, what="every run to end"
-    )
+    wait_for(lambda: all(h.refresh().status in TERMINAL_STATUSES for h in handles), timeout=240, what="every run to end")
     statuses = Counter(h.status for h in handles)
     assert statuses == {RunStatus.COMPLETED: RUNS}, (statuses, [h.error for h in handles if h.error])
     for handle in handles:

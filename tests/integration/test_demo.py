@@ -22,8 +22,12 @@ def test_demo_accepts_8_refuses_4_then_accepts_again_and_skips_a_full_window(tmp
     env["SQLITE_PATH"] = str(tmp_path / "demo.sqlite3")
     result = subprocess.run(
         [sys.executable, "manage.py", "demo", "--no-serve", "--port", str(free_port()), "--think", "1"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert out.count(" 201  accepted") == 8 + 2

@@ -152,9 +152,7 @@ def test_the_minimum_interval_is_a_setting(settings: Any) -> None:
         ("0 */1 * * *", "1 hour"),
     ],
 )
-def test_a_cron_schedule_firing_more_often_than_the_minimum_is_refused(
-    settings: Any, cron: str, shortest: str
-) -> None:
+def test_a_cron_schedule_firing_more_often_than_the_minimum_is_refused(settings: Any, cron: str, shortest: str) -> None:
     settings.DURABLE = {**settings.DURABLE, "SCHEDULE_MIN_INTERVAL": 7200}
     with pytest.raises(exceptions.InvalidScheduleError) as caught:
         make("often", cron=cron)
@@ -226,8 +224,12 @@ def test_a_cron_schedule_gets_its_periodic_task() -> None:
     assert task.enabled and task.interval is None and task.queue is None
     crontab = task.crontab
     assert (crontab.minute, crontab.hour, crontab.day_of_month, crontab.month_of_year, crontab.day_of_week) == (
-        "30", "9", "*", "*", "1-5",
-    )  # fmt: skip
+        "30",
+        "9",
+        "*",
+        "*",
+        "1-5",
+    )
     assert str(crontab.timezone) == "Europe/Paris"
     assert PeriodicTasks.last_change() is not None  # beat is told
 
@@ -372,16 +374,32 @@ def test_a_wall_clock_time_that_does_not_exist_fires_once_shifted_by_the_gap() -
     ("cron", "start", "expected"),
     [
         # Hourly on the fall-back night: 02:00 happens once (00:00Z); the repeated hour adds no window.
-        ("0 * * * *", utc(2026, 10, 24, 22), [utc(2026, 10, 24, 22), utc(2026, 10, 24, 23), utc(2026, 10, 25, 0),
-                                             utc(2026, 10, 25, 2)]),
+        (
+            "0 * * * *",
+            utc(2026, 10, 24, 22),
+            [utc(2026, 10, 24, 22), utc(2026, 10, 24, 23), utc(2026, 10, 25, 0), utc(2026, 10, 25, 2)],
+        ),
         # Every 30 minutes: 02:00 and 02:30 CEST, then 03:00 CET (02:00Z).
-        ("*/30 * * * *", utc(2026, 10, 24, 23, 30), [utc(2026, 10, 24, 23, 30), utc(2026, 10, 25, 0),
-                                                    utc(2026, 10, 25, 0, 30), utc(2026, 10, 25, 2),
-                                                    utc(2026, 10, 25, 2, 30), utc(2026, 10, 25, 3),
-                                                    utc(2026, 10, 25, 3, 30), utc(2026, 10, 25, 4)]),
+        (
+            "*/30 * * * *",
+            utc(2026, 10, 24, 23, 30),
+            [
+                utc(2026, 10, 24, 23, 30),
+                utc(2026, 10, 25, 0),
+                utc(2026, 10, 25, 0, 30),
+                utc(2026, 10, 25, 2),
+                utc(2026, 10, 25, 2, 30),
+                utc(2026, 10, 25, 3),
+                utc(2026, 10, 25, 3, 30),
+                utc(2026, 10, 25, 4),
+            ],
+        ),
         # Hourly on the spring-forward night: the missing 02:00 is 03:00 CEST, one window.
-        ("0 * * * *", utc(2026, 3, 28, 23), [utc(2026, 3, 28, 23), utc(2026, 3, 29, 0), utc(2026, 3, 29, 1),
-                                            utc(2026, 3, 29, 2), utc(2026, 3, 29, 3)]),
+        (
+            "0 * * * *",
+            utc(2026, 3, 28, 23),
+            [utc(2026, 3, 28, 23), utc(2026, 3, 29, 0), utc(2026, 3, 29, 1), utc(2026, 3, 29, 2), utc(2026, 3, 29, 3)],
+        ),
         # 02:45 does not exist: shifted to 03:45 CEST (01:45Z), after 03:00 CEST (01:00Z).
         ("45 2 * * *", utc(2026, 3, 28, 22), [utc(2026, 3, 28, 1, 45), utc(2026, 3, 29, 1, 45)]),
         ("0,45 2,3 * * *", utc(2026, 3, 28, 23), [utc(2026, 3, 28, 2, 45), utc(2026, 3, 29, 1), utc(2026, 3, 29, 1, 45)]),
@@ -408,8 +426,12 @@ def test_a_window_starts_a_run_with_the_deterministic_id() -> None:
     assert firing.run_id == "schedule:digest:2026-03-10T08:00:00Z"
     run = models.WorkflowRun.objects.get()
     assert (run.run_id, run.workflow, run.input, run.namespace, run.status) == (
-        firing.run_id, "test.add", {"a": 2, "b": 3}, "eu", RunStatus.PENDING,
-    )  # fmt: skip
+        firing.run_id,
+        "test.add",
+        {"a": 2, "b": 3},
+        "eu",
+        RunStatus.PENDING,
+    )
     schedule.refresh_from_db()
     assert schedule.last_run_id == firing.run_id and schedule.last_run_at is not None
     assert schedule.last_error == ""
@@ -761,7 +783,5 @@ def test_admin_delete_goes_through_schedules(admin_client: Client) -> None:
     assert response.status_code == 302
     assert list(models.Schedule.objects.values_list("name", flat=True)) == ["other"]
     assert list(PeriodicTask.objects.values_list("name", flat=True)) == ["durable-schedule:other"]
-    admin_client.post(
-        SCHEDULES_URL, {"action": "delete_selected", "_selected_action": [other.pk], "post": "yes"}
-    )
+    admin_client.post(SCHEDULES_URL, {"action": "delete_selected", "_selected_action": [other.pk], "post": "yes"})
     assert beat_rows()[:2] == (0, 0)

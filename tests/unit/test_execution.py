@@ -210,6 +210,7 @@ def test_cancel_frees_the_slot_at_once_and_stops_at_the_next_step(store: Any) ->
 
     engine.register("w", "1", body, concurrency=Concurrency(key="k", limit=1))
     handle = engine.start("w", {})
+
     def execute() -> None:
         try:
             engine.execute(handle.run_id)

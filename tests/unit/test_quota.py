@@ -140,7 +140,7 @@ def test_rule5_default_count_statuses_hold_a_slot(engine: Engine) -> None:
     assert DEFAULT_CONCURRENCY_STATUSES == ("pending", "running", "suspended", "blocked")
     engine.register("chat.turn", "1", _noop, concurrency=Concurrency(key=tenant_key, limit=4))
     handles = [engine.start("chat.turn", {"tenant": "acme"}) for _ in range(4)]
-    for handle, status in zip(handles, DEFAULT_CONCURRENCY_STATUSES):
+    for handle, status in zip(handles, DEFAULT_CONCURRENCY_STATUSES, strict=False):
         finish(engine, handle.run_id, status)
     with pytest.raises(ConcurrencyLimitError):
         engine.start("chat.turn", {"tenant": "acme"})
@@ -207,9 +207,7 @@ def test_rule9_idempotent_restart_is_never_rejected(engine: Engine) -> None:
 
 
 def test_rule11_per_start_concurrency_replaces_the_workflow_quota(engine: Engine) -> None:
-    engine.register(
-        "chat.turn", "1", _noop, concurrency=Concurrency(key=tenant_key, limit=1, count_statuses=["pending"])
-    )
+    engine.register("chat.turn", "1", _noop, concurrency=Concurrency(key=tenant_key, limit=1, count_statuses=["pending"]))
     override = Concurrency(key="plan:acme", limit=2, count_statuses=["running"])
     a = engine.start("chat.turn", {"tenant": "acme"}, concurrency=override)
     b = engine.start("chat.turn", {"tenant": "acme"}, concurrency=override)

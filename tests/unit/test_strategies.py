@@ -129,7 +129,6 @@ def test_grr_several_keys_wait_holding_no_slot_of_any_key(engine: Engine) -> Non
     assert a2.refresh().status == "pending"
 
 
-
 def test_grr_promoter_reads_the_queue_again_when_its_head_was_taken(
     engine: Engine, store: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -153,6 +152,7 @@ def test_grr_promoter_reads_the_queue_again_when_its_head_was_taken(
     monkeypatch.setattr(store, "queued_heads", queued_heads)
     assert engine.promoter.promote(["tenant:a"]) == [q2.run_id]  # B's release, with the stale head
     assert statuses(engine, [q1, q2]) == ["pending", "pending"]
+
 
 # -- CANCEL_IN_PROGRESS -----------------------------------------------------------------
 
@@ -244,8 +244,7 @@ def test_cel_null_leaves_the_start_unlimited(engine: Engine) -> None:
         assert engine.start("w", {"group": None}).record.tags == []
 
 
-@pytest.mark.parametrize("input, message", [({"group": 7}, "must give a string or None, got 7"),
-                                            ({}, "raised KeyError")])  # fmt: skip
+@pytest.mark.parametrize("input, message", [({"group": 7}, "must give a string or None, got 7"), ({}, "raised KeyError")])
 def test_cel_non_string_or_missing_field_is_refused(engine: Engine, input: Any, message: str) -> None:
     engine.register("w", "1", lambda ctx, input: None, concurrency=Concurrency(expression="input.group", limit=1))
     with pytest.raises(InvalidStartError, match=message):
@@ -353,7 +352,9 @@ def test_round_robin_direct_admission_moves_the_cursor(engine: Engine, dispatche
 
 @pytest.mark.parametrize("strategy", [GRR, CIP, NEWEST])
 def test_a_full_lifetime_cap_rejects_with_every_strategy(engine: Engine, store: Any, strategy: Strategy) -> None:
-    engine.register("w", "1", lambda ctx, input: None, Concurrency(key="cap", limit=1, count_statuses=LIFETIME, strategy=strategy))
+    engine.register(
+        "w", "1", lambda ctx, input: None, Concurrency(key="cap", limit=1, count_statuses=LIFETIME, strategy=strategy)
+    )
     done = engine.start("w", {})
     assert store.transition(done.run_id, from_statuses=["pending"], to="completed")
     # Its finished runs alone fill the cap: no run could ever make room, as with limit <= 0.
@@ -363,9 +364,7 @@ def test_a_full_lifetime_cap_rejects_with_every_strategy(engine: Engine, store: 
     assert engine.store.get_run("never") is None
 
 
-def test_a_child_counts_in_its_parents_namespace_with_its_parents_fencing(
-    store: Any, dispatcher: RecordingDispatcher
-) -> None:
+def test_a_child_counts_in_its_parents_namespace_with_its_parents_fencing(store: Any, dispatcher: RecordingDispatcher) -> None:
     registry = Registry()
     t1 = Engine(store, namespace="t1", scope_reads=True, dispatch=dispatcher, registry=registry)
     t2 = Engine(store, namespace="t2", scope_reads=True, dispatch=dispatcher, registry=registry)

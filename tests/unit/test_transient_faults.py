@@ -245,9 +245,11 @@ def test_a_run_promoted_from_queued_is_not_sent_again_by_the_next_sweep(store: A
     sent: list[str] = []
     engine = Engine(store, dispatch=lambda engine, run: sent.append(run.run_id), registry=Registry())
     engine.register(
-        "w", "1", lambda ctx, input: None,
+        "w",
+        "1",
+        lambda ctx, input: None,
         concurrency=Concurrency(key="k", limit=1, strategy=Strategy.GROUP_ROUND_ROBIN),
-    )  # fmt: skip
+    )
     holder = engine.start("w", {})
     waiter = engine.start("w", {})
     assert waiter.status == RunStatus.QUEUED
@@ -271,8 +273,13 @@ def test_the_sweeper_resends_a_pending_run_with_a_growing_delay(store: Any, sett
 
     def last_sent(seconds_ago: float) -> None:
         at = timezone.now() - timedelta(seconds=seconds_ago)
-        store.transition(handle.run_id, from_statuses=["pending"], to="pending", dispatched_at=at,
-                         redispatches=handle.refresh().record.redispatches)  # fmt: skip
+        store.transition(
+            handle.run_id,
+            from_statuses=["pending"],
+            to="pending",
+            dispatched_at=at,
+            redispatches=handle.refresh().record.redispatches,
+        )
 
     last_sent(after * 1.5)
     assert engine.sweep()["undelivered"] == [handle.run_id]  # 1st re-send after REDISPATCH_AFTER
@@ -310,9 +317,7 @@ def test_an_orphaned_run_is_not_resent_on_every_sweep(store: Any, settings: Any)
     assert sent == [handle.run_id] * 2
 
 
-def test_a_store_error_that_repeats_on_every_execution_ends_the_run_dead(
-    queued: Engine, store: Any, settings: Any
-) -> None:
+def test_a_store_error_that_repeats_on_every_execution_ends_the_run_dead(queued: Engine, store: Any, settings: Any) -> None:
     """Not a dropped connection (a bug, a value the database refuses): each
     interrupted execution counts, so it cannot be redelivered forever."""
     settings.DURABLE = {**settings.DURABLE, "MAX_ATTEMPTS": 2}

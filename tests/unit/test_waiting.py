@@ -261,8 +261,9 @@ def test_children_inherit_the_namespace_and_are_cancelled_with_the_parent(store:
 
 def test_emit_starts_every_subscriber_and_skips_a_full_one(engine: Engine) -> None:
     engine.register("mail", "1", lambda ctx, input: None, on_events=["order.created"])
-    engine.register("stock", "1", lambda ctx, input: None, on_events=["order.created"],
-                    concurrency=Concurrency(key="stock", limit=1))  # fmt: skip
+    engine.register(
+        "stock", "1", lambda ctx, input: None, on_events=["order.created"], concurrency=Concurrency(key="stock", limit=1)
+    )
     engine.register("unrelated", "1", lambda ctx, input: None, on_events=["order.paid"])
     engine.start("stock", {})  # fills the stock quota
     result = engine.emit("order.created", {"order": 7}, event_id="evt-1")
@@ -299,7 +300,9 @@ def test_workflow_class_subscribes_to_events() -> None:
 # -- remote workflows ----------------------------------------------------------------------------
 
 
-def test_remote_run_is_blocked_without_a_worker_and_goes_when_one_appears(engine: Engine, dispatcher: RecordingDispatcher) -> None:
+def test_remote_run_is_blocked_without_a_worker_and_goes_when_one_appears(
+    engine: Engine, dispatcher: RecordingDispatcher
+) -> None:
     engine.register_remote("billing.charge", "1", queue="billing", concurrency=Concurrency(key="billing", limit=1))
     handle = engine.start("billing.charge", {"amount": 5})
     assert handle.record.queue == "billing"
@@ -313,7 +316,9 @@ def test_remote_run_is_blocked_without_a_worker_and_goes_when_one_appears(engine
     assert dispatcher.sent == [handle.run_id]
 
 
-def test_remote_workflow_body_is_not_run_by_a_worker_that_only_declares_it(engine: Engine, dispatcher: RecordingDispatcher) -> None:
+def test_remote_workflow_body_is_not_run_by_a_worker_that_only_declares_it(
+    engine: Engine, dispatcher: RecordingDispatcher
+) -> None:
     engine.register_remote("billing.charge", "1", queue="billing")
     handle = engine.start("billing.charge", {})
     run_pending(engine, dispatcher)

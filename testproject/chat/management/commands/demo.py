@@ -65,11 +65,13 @@ class Command(BaseCommand):
                 self._run(api, options["turns"], options["think"])
                 self._skipped_window(api, options["think"], options["port"])
                 if not options["no_serve"]:
-                    self.stdout.write(self.style.SUCCESS(
-                        f"\nAdmin: http://127.0.0.1:{options['port']}/admin/ (user {USERNAME!r}, "
-                        f"password {PASSWORD!r}). API: http://127.0.0.1:{options['port']}/durable/runs/ "
-                        "Ctrl-C to stop."
-                    ))  # fmt: skip
+                    self.stdout.write(
+                        self.style.SUCCESS(
+                            f"\nAdmin: http://127.0.0.1:{options['port']}/admin/ (user {USERNAME!r}, "
+                            f"password {PASSWORD!r}). API: http://127.0.0.1:{options['port']}/durable/runs/ "
+                            "Ctrl-C to stop."
+                        )
+                    )
                     threading.Event().wait()
         except KeyboardInterrupt:
             pass
@@ -79,9 +81,7 @@ class Command(BaseCommand):
 
     def _demo_user(self) -> str:
         User = get_user_model()
-        user, created = User.objects.get_or_create(
-            username=USERNAME, defaults={"is_staff": True, "is_superuser": True}
-        )
+        user, created = User.objects.get_or_create(username=USERNAME, defaults={"is_staff": True, "is_superuser": True})
         if created:
             user.set_password(PASSWORD)
             user.save()
@@ -109,13 +109,19 @@ class Command(BaseCommand):
                 accepted.append(body["run_id"])
                 self._row(n, status, "accepted", f"run {body['run_id'][:12]}  {body['status']}")
             elif status == 429:
-                self._row(n, status, "busy", f"Retry-After: {headers.get('Retry-After')}s  "
-                                             f"active {body['active']}/{body['limit']} on {body['key']}")  # fmt: skip
+                self._row(
+                    n,
+                    status,
+                    "busy",
+                    f"Retry-After: {headers.get('Retry-After')}s  active {body['active']}/{body['limit']} on {body['key']}",
+                )
             else:
                 raise CommandError(f"unexpected answer {status}: {body}")
         _, _, quota = api.get(f"quotas/tenant:{TENANT}/")
-        self.stdout.write(f"\nQuota tenant:{TENANT}: {quota['active']} active of {quota['limit']}. "
-                          "Waiting for the accepted turns to complete on the Celery worker...")  # fmt: skip
+        self.stdout.write(
+            f"\nQuota tenant:{TENANT}: {quota['active']} active of {quota['limit']}. "
+            "Waiting for the accepted turns to complete on the Celery worker..."
+        )
         started = time.monotonic()
         for run_id in accepted:
             while (run := api.get(f"runs/{run_id}/")[2])["status"] not in {RunStatus.COMPLETED, RunStatus.FAILED}:
@@ -148,8 +154,10 @@ class Command(BaseCommand):
                 raise CommandError(f"unexpected answer {status} while filling the tenant: {body}")
             turns.append(body["run_id"])
         _, _, quota = api.get(f"quotas/tenant:{TENANT}/")
-        self.stdout.write(f"{len(turns)} long turns fill tenant:{TENANT} ({quota['active']} active of {quota['limit']}); "
-                          "the schedule's window fires now, as beat would:")  # fmt: skip
+        self.stdout.write(
+            f"{len(turns)} long turns fill tenant:{TENANT} ({quota['active']} active of {quota['limit']}); "
+            "the schedule's window fires now, as beat would:"
+        )
         firing = schedules.fire(schedule.pk)  # what beat's durable.fire_schedule task does
         assert firing is not None
         schedule.refresh_from_db()
