@@ -6,6 +6,7 @@ delivery, a late timer or a second sweeper changes nothing.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -100,7 +101,7 @@ class Executor:
                 except exceptions.Suspend as suspend:
                     wake_at = suspend.wake_at
                     if self.store.suspend(run_id, lease, waiting_for=suspend.waiting_for, wake_at=wake_at):
-                        self._after(record, lambda run, wake_at=wake_at: self._suspended(run, wake_at))
+                        self._after(record, functools.partial(self._suspended, wake_at=wake_at))
                         return
                     if lost.is_set() or not self._owns(run_id, lease):
                         # Cancelled (or taken over) between journaling the wait and parking.
