@@ -8,12 +8,13 @@ from datetime import datetime
 from typing import Any
 
 import pytest
-from django.db import connection, connections
+from django.db import connection
 from django.utils import timezone
 
 from durable import DjangoStore, Engine, RunStatus
 from durable.runtime import Registry
 from durable.testing import wait_for
+from tests.threads import started
 from tests.unit.conftest import RecordingDispatcher
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -60,18 +61,7 @@ def test_heartbeats_survive_a_terminated_connection(settings: Any) -> None:
 
     engine.register("w", "1", lambda ctx, input: ctx.step("slow", slow))
     handle = engine.start("w", {})
-    errors: list[BaseException] = []
-
-    def worker() -> None:
-        try:
-            engine.execute(handle.run_id)
-        except BaseException as exc:  # noqa: BLE001  (reported below)
-            errors.append(exc)
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=worker)
-    thread.start()
+    thread = started(lambda: engine.execute(handle.run_id))
     try:
         assert in_step.wait(30)
         claimed_at = handle.refresh().record.heartbeat_at
@@ -90,7 +80,7 @@ def test_heartbeats_survive_a_terminated_connection(settings: Any) -> None:
     finally:
         release.set()
         thread.join(60)
-    assert errors == []
+    thread.outcome()
     assert handle.result(timeout=10) == "done"
     assert calls == ["slow"]  # its journal write reconnected too: the step ran once
 
@@ -117,23 +107,13 @@ def test_a_database_outage_during_a_step_hands_the_run_to_the_sweeper(settings: 
 
     engine.register("w", "1", body)
     handle = engine.start("w", {})
-    returned: list[bool] = []
-
-    def worker() -> None:
-        try:
-            returned.append(engine.executor.execute(handle.run_id))
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=worker)
-    thread.start()
+    thread = started(lambda: engine.executor.execute(handle.run_id))
     try:
         assert in_step.wait(30)
         allow_connections(False)
         terminate_other_backends()
         release.set()
-        thread.join(60)
-        assert returned == [False]  # not handed back: the database could not be reached
+        assert thread.outcome() is False  # not handed back: the database could not be reached
     finally:
         release.set()
         allow_connections(True)

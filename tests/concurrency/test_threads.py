@@ -9,11 +9,12 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import connection, connections
 from django.utils import timezone
 
 from durable import Concurrency, ConcurrencyLimitError, Engine, InMemoryStore, Strategy
 from durable.runtime import Registry
+from tests.threads import held_open, started
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -30,27 +31,17 @@ def test_threads_racing_on_a_brand_new_key_admit_exactly_the_limit() -> None:
     barrier = threading.Barrier(THREADS)
     admitted: list[str] = []
     refused: list[int] = []
-    errors: list[BaseException] = []
 
     def starter() -> None:
-        try:
-            barrier.wait(timeout=30)
-            for _ in range(STARTS_EACH):
-                try:
-                    admitted.append(engine.start("w", {}, concurrency=Concurrency(key=key, limit=LIMIT)).run_id)
-                except ConcurrencyLimitError as exc:
-                    refused.append(exc.active)
-        except BaseException as exc:  # noqa: BLE001  (reported below)
-            errors.append(exc)
-        finally:
-            connections.close_all()
+        barrier.wait(timeout=30)
+        for _ in range(STARTS_EACH):
+            try:
+                admitted.append(engine.start("w", {}, concurrency=Concurrency(key=key, limit=LIMIT)).run_id)
+            except ConcurrencyLimitError as exc:
+                refused.append(exc.active)
 
-    threads = [threading.Thread(target=starter) for _ in range(THREADS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert errors == []
+    for thread in [started(starter) for _ in range(THREADS)]:
+        thread.outcome()
     assert len(admitted) == LIMIT, f"{len(admitted)} admitted with a limit of {LIMIT} on {connection.vendor}"
     assert len(refused) == THREADS * STARTS_EACH - LIMIT
     assert set(refused) == {LIMIT}  # every refusal saw exactly the full key
@@ -99,44 +90,12 @@ def test_a_restart_waiting_for_the_first_start_returns_its_run(case: str) -> Non
     run_id = f"turn-42:{key}"
     if case == "other-key":
         engine.start("w", {"n": 2})  # B's key is full; A's key has room
-    started, holding = threading.Event(), threading.Event()
-    results: dict[str, Any] = {}
-    errors: list[BaseException] = []
-
-    def first() -> None:
-        try:
-            with transaction.atomic():
-                results["a"] = engine.start("w", {"n": 1}, run_id=run_id)
-                started.set()
-                assert holding.wait(30)
-        except BaseException as exc:  # noqa: BLE001  (reported below)
-            errors.append(exc)
-            started.set()
-        finally:
-            connections.close_all()
-
-    def second() -> None:
-        try:
-            results["b"] = engine.start("w", {"n": 2}, run_id=run_id)
-        except BaseException as exc:  # noqa: BLE001  (reported below)
-            errors.append(exc)
-        finally:
-            connections.close_all()
-
-    a = threading.Thread(target=first)
-    a.start()
-    assert started.wait(30)
-    b = threading.Thread(target=second)
-    b.start()
-    try:
+    with held_open(lambda: engine.start("w", {"n": 1}, run_id=run_id)) as a:
+        b = started(lambda: engine.start("w", {"n": 2}, run_id=run_id))
         wait_for_lock_waiters(1)  # B waits for A's transaction
-    finally:
-        holding.set()
-        a.join(60)
-        b.join(60)
-    assert errors == []
-    assert results["a"].created and not results["b"].created
-    assert results["b"].run_id == run_id and results["b"].input == {"n": 1}
+    first, second = a.outcome(), b.outcome()
+    assert first.created and not second.created
+    assert second.run_id == run_id and second.input == {"n": 1}
 
 
 @pytest.mark.parametrize("store", ["django", "memory"])
@@ -153,31 +112,21 @@ def test_threads_restarting_one_run_id_are_never_refused(strategy: Strategy, sto
     created: list[str] = []
     returned: list[str] = []
     refused: list[str] = []
-    errors: list[BaseException] = []
 
     def starter() -> None:
-        try:
-            for n, barrier in enumerate(barriers):
-                barrier.wait(timeout=30)
-                try:
-                    handle = engine.start("w", {}, run_id=f"{key}:{n}")
-                except ConcurrencyLimitError as exc:
-                    refused.append(str(exc))
-                    continue
-                (created if handle.created else returned).append(handle.run_id)
-                if handle.created:  # free the slot for the next round's id
-                    assert engine.store.transition(handle.run_id, from_statuses=["pending"], to="completed")
-        except BaseException as exc:  # noqa: BLE001  (reported below)
-            errors.append(exc)
-        finally:
-            connections.close_all()
+        for n, barrier in enumerate(barriers):
+            barrier.wait(timeout=30)
+            try:
+                handle = engine.start("w", {}, run_id=f"{key}:{n}")
+            except ConcurrencyLimitError as exc:
+                refused.append(str(exc))
+                continue
+            (created if handle.created else returned).append(handle.run_id)
+            if handle.created:  # free the slot for the next round's id
+                assert engine.store.transition(handle.run_id, from_statuses=["pending"], to="completed")
 
-    workers = [threading.Thread(target=starter) for _ in range(threads)]
-    for thread in workers:
-        thread.start()
-    for thread in workers:
-        thread.join(120)
-    assert errors == []
+    for thread in [started(starter) for _ in range(threads)]:
+        thread.outcome(120)
     assert refused == []
     assert sorted(created) == [f"{key}:{n}" for n in range(rounds)]
     assert len(returned) == (threads - 1) * rounds
@@ -196,30 +145,9 @@ def test_a_wake_up_queued_while_a_slot_frees_is_handed_that_slot() -> None:
     assert engine.store.transition(sleeper.run_id, from_statuses=["pending"], to="suspended", waiting_for="sleep", wake_at=past)
     holder = engine.start("w", {})  # "suspended" does not count: the key's slot is the holder's
     assert holder.status == "pending"
-    queued, cancelled = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
-
-    def wake() -> None:
-        try:
-            with transaction.atomic():
-                assert engine.executor.resume(sleeper.refresh().record, due=True)
-                queued.set()
-                assert cancelled.wait(30)
-        except BaseException as exc:  # noqa: BLE001  (reported below)
-            errors.append(exc)
-            queued.set()
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=wake)
-    thread.start()
-    try:
-        assert queued.wait(30)
+    with held_open(lambda: engine.executor.resume(sleeper.refresh().record, due=True)) as waker:
         engine.cancel(holder.run_id)  # its hand-off runs now, before the wake-up commits
-    finally:
-        cancelled.set()
-        thread.join(60)
-    assert errors == []
+    assert waker.outcome() is True
     assert sleeper.refresh().status == "pending"
 
 
@@ -233,46 +161,16 @@ def test_a_cancel_in_progress_victim_finishing_meanwhile_is_checked(lifetime_cap
     counted = ("pending", "running", "suspended", "blocked") + (("completed",) if lifetime_cap else ())
     engine = _restart_engine(Concurrency(key=key, limit=1, count_statuses=counted, strategy=Strategy.CANCEL_IN_PROGRESS))
     victim = engine.start("w", {})
-    finishing, release = threading.Event(), threading.Event()
-    results: dict[str, Any] = {}
-    errors: list[BaseException] = []
-
-    def finish() -> None:
-        try:
-            with transaction.atomic():
-                assert engine.store.transition(victim.run_id, from_statuses=["pending"], to="completed")
-                finishing.set()
-                assert release.wait(30)
-        except BaseException as exc:  # noqa: BLE001  (reported below)
-            errors.append(exc)
-            finishing.set()
-        finally:
-            connections.close_all()
-
-    def start() -> None:
-        try:
-            results["new"] = engine.start("w", {}, run_id=f"{key}:new")
-        except BaseException as exc:  # noqa: BLE001  (checked below)
-            results["error"] = exc
-        finally:
-            connections.close_all()
-
-    finisher = threading.Thread(target=finish)
-    finisher.start()
-    assert finishing.wait(30)
-    starter = threading.Thread(target=start)
-    starter.start()
-    try:
+    finish = lambda: engine.store.transition(victim.run_id, from_statuses=["pending"], to="completed")  # noqa: E731
+    with held_open(finish) as finisher:
+        starter = started(lambda: engine.start("w", {}, run_id=f"{key}:new"))
         wait_for_lock_waiters(1)  # the start waits to cancel the victim, whose row the finisher holds
-    finally:
-        release.set()
-        finisher.join(60)
-        starter.join(60)
-    assert errors == []
+    assert finisher.outcome() is True
     assert victim.refresh().status == "completed"
     if lifetime_cap:
-        assert isinstance(results.get("error"), ConcurrencyLimitError)
+        with pytest.raises(ConcurrencyLimitError):
+            starter.outcome()
         assert engine.store.get_run(f"{key}:new") is None
     else:
-        assert "error" not in results and results["new"].status == "pending"
+        assert starter.outcome().status == "pending"
     assert engine.count_runs(tag=f"concurrency:{key}", statuses=counted) == 1
