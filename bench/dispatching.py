@@ -97,5 +97,6 @@ def _report_f(report: Report, opts: Options, measured: list[tuple[str, list[floa
         "time, the two kinds alternating: FirstStep.dispatch (bench/firststep.py: the start transaction, the Celery "
         "message on commit) to the time.time() its first step's body reads in the worker (claim, journal read, then "
         "the step); the baseline, a bare Celery task whose body reads time.time() and INSERTs it (one committed "
-        f"write), from apply_async. One worker per configuration, --concurrency=1, on the --broker. {databases}."
+        "write), from apply_async: its reading comes before it connects, durable's first step after the claim "
+        f"(which connects first). One worker per configuration, --concurrency=1, on the --broker. {databases}."
     )
