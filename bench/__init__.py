@@ -7,13 +7,17 @@ from a checkout, and it drives benchmark-only packages (procrastinate, dbos:
 Modules:
 
 - ``scratch``: create and drop the throw-away databases.
-- ``starters``: one "start" per system (durable, raw psycopg, procrastinate, DBOS).
+- ``starters``: one "start" per system (durable's dispatch and its no-op shortcut, raw psycopg,
+  procrastinate, DBOS).
 - ``worker``: the code a spawned benchmark process runs.
 - ``pool``: the parent's handle on those processes.
 - ``sections``: sections (a), (b), (c).
 - ``queueing``: sections (d) slot hand-off latency and (e) ``GROUP_ROUND_ROBIN`` admission.
-- ``celery_worker``: the real Celery worker subprocess of (d).
-- ``handoff``: the workflow that worker runs (it imports the module).
+- ``dispatching``: section (f) dispatch to first step, against a bare Celery task.
+- ``celery_worker``: the real Celery worker subprocess of (d) and (f).
+- ``handoff``: the workflow (d)'s worker runs (it imports the module).
+- ``firststep``: the ``DurableWorkflow`` dispatched in (a) and (f), and (f)'s bare task.
+- ``broker``: the parent's view of the Redis broker (reach it, a queue's length, purge).
 - ``report``: the table and the targets block.
 - ``runner``: puts them together for ``__main__`` (``python -m bench``).
 """

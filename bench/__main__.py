@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-SECTIONS = ("a", "b", "c", "d", "e")
+SECTIONS = ("a", "b", "c", "d", "e", "f")
 
 #: Defaults of a full run (about 6-7 minutes on 2 cores) and of --quick.
 FULL = {
@@ -30,6 +30,7 @@ FULL = {
     "latency_starts": 2000,
     "handoffs": 300,
     "grr_rounds": 3,
+    "first_steps": 200,
 }
 QUICK = {
     "seconds": 2.0,
@@ -39,8 +40,9 @@ QUICK = {
     "latency_starts": 600,
     "handoffs": 60,
     "grr_rounds": 1,
+    "first_steps": 15,
 }
-#: Section (d)'s broker when neither --broker nor a Redis CELERY_BROKER_URL is given.
+#: The broker of sections (a), (d) and (f) when neither --broker nor a Redis CELERY_BROKER_URL is given.
 DEFAULT_BROKER = "redis://127.0.0.1:6379/9"
 _REDIS = ("redis://", "rediss://")
 
@@ -50,11 +52,13 @@ class BenchError(Exception):
 
 
 DESCRIPTION = (
-    "Benchmark durable's start path on PostgreSQL in scratch databases: (a) starts/s vs raw psycopg, "
-    "procrastinate and DBOS; (b) a hot key at its limit (refusal latency, over-admission); "
+    "Benchmark durable's start path on PostgreSQL in scratch databases: (a) starts/s of Wf.dispatch "
+    "(Celery message to Redis) vs raw psycopg, procrastinate and DBOS; "
+    "(b) a hot key at its limit (refusal latency, over-admission); "
     "(c) start latency with a million finished runs; (d) slot hand-off latency with a real Celery worker "
     "on Redis (a run completes -> the next queued run of its key starts executing); (e) GROUP_ROUND_ROBIN "
-    "admission: queued starts/s against REJECT starts/s, and hand-offs/s."
+    "admission: queued starts/s against REJECT starts/s, and hand-offs/s; (f) latency from Wf.dispatch to "
+    "the first step's body with a warm Celery worker, against a bare Celery task's."
 )
 
 
@@ -65,13 +69,18 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Shorter run (about a minute and a half); 100,000 rows in (c), 60 runs in (d), 1 round in (e).",
     )
-    parser.add_argument("--only", default=",".join(SECTIONS), help="Sections to run, e.g. 'a,c' or 'd,e' (default: a,b,c,d,e).")
+    parser.add_argument("--only", default=",".join(SECTIONS), help="Sections to run, e.g. 'a,c' or 'd,e' (default: a,b,c,d,e,f).")
     parser.add_argument(
         "--db-name",
         default="durable_bench",
         help="Name of the scratch database (dropped if it exists, and at the end); (c) and DBOS add _c0, _c1 and _dbos to it.",
     )
-    a = parser.add_argument_group("(a) start rate")
+    a = parser.add_argument_group(
+        "(a) start rate",
+        "Wf.dispatch with its Celery message sent to the --broker (a queue nothing consumes, purged after each "
+        "round), against raw psycopg, procrastinate defer and DBOS enqueue; Engine.start with a no-op dispatch "
+        "as an extra row (a shortcut: its runs never execute).",
+    )
     a.add_argument("--seconds", type=float, help="Seconds per configuration and round (full 3, quick 2).")
     a.add_argument("--rounds", type=int, help="Rounds over all configurations (full 5, quick 1).")
     a.add_argument("--procs", default="1,4", help="Process counts of (a) and (e) (default 1,4).")
@@ -98,7 +107,8 @@ def parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--broker",
-        help=f"Redis URL of (d)'s broker (default: CELERY_BROKER_URL if it is a Redis URL, else {DEFAULT_BROKER}).",
+        help=f"Redis URL of the broker of (a), (d) and (f) "
+        f"(default: CELERY_BROKER_URL if it is a Redis URL, else {DEFAULT_BROKER}).",
     )
     d.add_argument("--handoffs", type=int, help="Runs started; hand-offs = runs - keys (full 300, quick 60).")
     d.add_argument(
@@ -117,6 +127,13 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--queued-runs", type=int, default=1000, help="Starts queued per configuration (default 1,000).")
     e.add_argument("--queued-keys", type=int, default=50, help="Keys they are queued on (default 50).")
     e.add_argument("--grr-rounds", type=int, help="Rounds over the process counts (full 3, quick 1).")
+    f = parser.add_argument_group(
+        "(f) dispatch to first step",
+        "A warm Celery worker (threads pool, then prefork; each with a connection per task, then Django's pool) "
+        "on Redis: from Wf.dispatch to its first step's body, against a bare Celery task that makes one committed "
+        "write, from apply_async to its body, interleaved; target: p50 <= 1.2x the bare task's.",
+    )
+    f.add_argument("--first-steps", type=int, help="Samples of each kind per configuration (full 200, quick 15).")
 
     return parser
 
@@ -190,6 +207,7 @@ def _resolve(options: dict[str, Any]) -> dict[str, Any]:
         "queued_runs",
         "queued_keys",
         "grr_rounds",
+        "first_steps",
     ):
         value = options.get(name) if options.get(name) is not None else values.get(name)
         if value is not None and int(value) < 1:
@@ -218,12 +236,13 @@ def _resolve(options: dict[str, Any]) -> dict[str, Any]:
         "handoff_keys": int(options["handoff_keys"]),
         "queued_runs": int(options["queued_runs"]),
         "queued_keys": int(options["queued_keys"]),
+        "pool_queue": f"durable-bench-{os.getpid()}-pool",
         **values,
     }
 
 
 def _broker(option: str | None) -> tuple[str, str]:
-    """(d)'s broker and where it came from: --broker, a Redis CELERY_BROKER_URL, or the default."""
+    """The broker and where it came from: --broker, a Redis CELERY_BROKER_URL, or the default."""
     if option:
         if not option.startswith(_REDIS):
             raise BenchError(f"--broker takes a Redis URL (redis://host:port/db), got {option!r}.")

@@ -11,6 +11,7 @@ import psycopg
 
 from bench import report as _report
 from bench import starters
+from bench.broker import broker_app, delete_queue, purge, reach
 from bench.celery_worker import CeleryWorker
 from bench.pool import WorkerError, WorkerPool
 from bench.report import Report
@@ -36,17 +37,15 @@ def section_d(opts: Options, report: Report, scratch: Scratch, progress: Progres
     Twice, each time with a new worker, on keys of its own: once with the test
     project's database settings (the target), once with a connection pool.
     """
-    from celery import Celery
     from kombu.utils.url import maybe_sanitize_url
 
     n, nkeys = opts.handoffs, opts.handoff_keys
     queue = f"durable-bench-{os.getpid()}"
-    app = Celery("durable-bench", broker=opts.broker, set_as_current=False)
-    app.conf.update(task_serializer="json", accept_content=["json"], broker_connection_retry_on_startup=False)
+    app = broker_app(opts.broker)
     conninfo = scratch.conninfo(scratch.main)
     results: dict[str, _Chains] = {}
     described = ""
-    reason = _reach(app)
+    reason = reach(app)
     if reason:
         app.close()
         progress(f"(d) left out: {reason}")
@@ -63,7 +62,7 @@ def section_d(opts: Options, report: Report, scratch: Scratch, progress: Progres
                 concurrency=nkeys,
             )
             described = worker.describe()
-            _purge(app, queue)
+            purge(app, queue)
             prefix = f"d-{name.replace(' ', '-')}-"
             progress(f"(d) {name}: queueing {n} runs on {nkeys} key(s), limit {LIMIT}, GROUP_ROUND_ROBIN")
             statuses = _enqueue(app, queue, n, [f"{prefix}k{j}" for j in range(nkeys)])
@@ -75,39 +74,11 @@ def section_d(opts: Options, report: Report, scratch: Scratch, progress: Progres
             results[name] = _chains(conninfo, prefix)
     finally:
         try:
-            _delete_queue(app, queue)
+            delete_queue(app, queue)
         finally:
             app.close()
     label = f"broker {maybe_sanitize_url(opts.broker)} ({opts.broker_source}); {described}"
     _report_d(report, results, n, nkeys, label)
-
-
-def _reach(app: Any) -> str:
-    """Why the broker cannot be used ("" when it can)."""
-    try:
-        with app.connection_for_write() as conn:
-            conn.ensure_connection(max_retries=1, timeout=5)
-    except Exception as exc:
-        return f"cannot reach the broker ({type(exc).__name__}: {exc}); start Redis or pass --broker redis://host:port/db"
-    return ""
-
-
-def _purge(app: Any, queue: str) -> None:
-    with app.connection_for_write() as conn:
-        conn.default_channel.queue_purge(queue)
-
-
-def _delete_queue(app: Any, queue: str) -> None:
-    """Remove the queue and its binding keys from Redis (declared as Celery declares a queue of that name)."""
-    from kombu import Exchange, Queue
-
-    try:
-        with app.connection_for_write() as conn:
-            declared = Queue(queue, Exchange(queue), routing_key=queue)(conn.default_channel)
-            declared.declare()
-            declared.delete()
-    except Exception:  # best effort: what is left in Redis is a few small keys
-        pass
 
 
 class _Send:
@@ -413,10 +384,17 @@ def _statement_counts(report: Report) -> dict[str, int]:
     with CaptureQueriesContext(connection) as handed:
         started = engine.promoter.promote(engine.store.run_keys(first.run_id))
     assert len(started) == 1, started
+    one_step = engine.start(starters.ONE_STEP_WORKFLOW, {"key": "e-probe-one-step"})
+    with CaptureQueriesContext(connection) as executed:
+        engine.execute(one_step.run_id)
+    status = engine.get_run(one_step.run_id).status
+    if status != RunStatus.COMPLETED:
+        raise RuntimeError(f"(e) the one-step run executed to count its statements ended {status}")
     report.row(
         "e",
-        "SQL statements: REJECT start / queued start / hand-off",
-        f"{len(rejected)} / {len(queued)} / {len(handed)}",
-        "BEGIN..COMMIT included; hand-off: Executor.released's run_keys + Promoter.promote",
+        "SQL statements: REJECT start / queued start / hand-off / one-step run executed",
+        f"{len(rejected)} / {len(queued)} / {len(handed)} / {len(executed)}",
+        "BEGIN..COMMIT included; hand-off: Executor.released's run_keys + Promoter.promote; one-step run: "
+        "Engine.execute of a pending run (claim + journal read, step write, finish)",
     )
-    return {"reject": len(rejected), "queued": len(queued), "handoff": len(handed)}
+    return {"reject": len(rejected), "queued": len(queued), "handoff": len(handed), "execute": len(executed)}

@@ -7,7 +7,7 @@ import time
 
 from django.db import connection
 
-from bench import queueing, sections, starters
+from bench import broker, dispatching, queueing, sections, starters
 from bench.pool import WorkerPool
 from bench.report import Report
 from bench.scratch import scratch_databases
@@ -52,6 +52,8 @@ def run(opts: Options, progress: Progress) -> Report:
             "aliases": {"default": main, **dict(zip(("c0", "c1"), copies, strict=False))},
             "conninfo": scratch.conninfo(main),
             "dbos_url": scratch.url(dbos_db),
+            "broker": opts.broker,
+            "queue": opts.pool_queue,
         }
         if "d" in opts.only:
             # No benchmark process: the Celery worker is the process that matters.
@@ -69,6 +71,7 @@ def run(opts: Options, progress: Progress) -> Report:
                     ("b", sections.section_b),
                     ("c", sections.section_c),
                     ("e", queueing.section_e),
+                    ("f", dispatching.section_f),
                 ):
                     if name in pooled:
                         t0 = time.perf_counter()
@@ -76,6 +79,10 @@ def run(opts: Options, progress: Progress) -> Report:
                         progress(f"({name}) done in {time.perf_counter() - t0:.0f} s")
             finally:
                 pool.close()
+                if {"a", "f"} & set(pooled):
+                    app = broker.broker_app(opts.broker)
+                    broker.delete_queue(app, opts.pool_queue)
+                    app.close()
         connection.close()
     report.header.append(f"wall time {time.perf_counter() - started:.0f} s")
     return report
@@ -86,7 +93,7 @@ def _describe(opts: Options) -> str:
     if "a" in opts.only:
         parts.append(
             f"(a) {opts.rounds} round(s) x {opts.seconds:g} s per config, processes {','.join(map(str, opts.procs))}, "
-            f"{opts.keys} keys per process"
+            f"{opts.keys} keys per process, dispatch's Celery messages to {_sanitize(opts.broker)}"
         )
     if "b" in opts.only:
         parts.append(f"(b) {opts.starters} starters, limit {opts.hot_limit}, {opts.hot_seconds:g} s per phase")
@@ -102,6 +109,8 @@ def _describe(opts: Options) -> str:
             f"(e) {opts.queued_runs:,} queued runs on {opts.queued_keys} keys, {opts.grr_rounds} round(s), "
             f"processes {','.join(map(str, opts.procs))}"
         )
+    if "f" in opts.only:
+        parts.append(f"(f) {opts.first_steps} samples per configuration, Celery workers on {_sanitize(opts.broker)}")
     return f"mode: {'quick' if opts.quick else 'full'}; " + "; ".join(parts)
 
 

@@ -1,7 +1,11 @@
 """One "start" per system, as a benchmark process calls it.
 
+- ``DispatchStarter``: ``FirstStep.dispatch`` (``bench.firststep``), a
+  ``DurableWorkflow`` on durable's default engine: the start as users call it,
+  its Celery message sent to the benchmark's Redis broker on commit.
 - ``DurableStarter``: the real ``Engine.start`` (lock row, count, insert run and
-  tag), with a no-op dispatch instead of the Celery send.
+  tag), with a no-op dispatch instead of the Celery send: a shortcut whose runs
+  never execute (and the engine of sections (b), (c), (e)).
 - ``RawStarter``: the same logical transaction written by hand in psycopg 3,
   statement for statement (see ``RawStarter.start``). It is the ceiling durable is
   measured against, so it is written the way one would naturally write it.
@@ -10,7 +14,7 @@
   psycopg, the floor under any refusal's latency on this machine.
 - ``DbosStarter``: ``DBOSClient.enqueue()`` onto a DBOS queue. The client only
   enqueues: no DBOS executor runs, so nothing dequeues during the measurement,
-  as with durable's no-op dispatch.
+  as no Celery worker consumes the queue of durable's messages in (a).
 
 The parent-side ``install_procrastinate`` and ``install_dbos`` put the two
 libraries' schemas into the scratch databases; each returns why it could not.
@@ -37,6 +41,8 @@ WORKFLOW = "bench.noop"
 HOT_WORKFLOW = "bench.hot"
 #: Workflow of section (e): ``GROUP_ROUND_ROBIN``, its limit set per run.
 GRR_WORKFLOW = "bench.grr"
+#: A workflow of one step, executed in the benchmark process to count its statements.
+ONE_STEP_WORKFLOW = "bench.one_step"
 VERSION = "1"
 RATE_LIMIT = 1000
 #: Name of the procrastinate task and the DBOS workflow; the queue of both.
@@ -53,12 +59,34 @@ def _noop_body(ctx: Any, input: Any) -> None:
     return None
 
 
+def _one_step_body(ctx: Any, input: Any) -> Any:
+    return ctx.step("only", _noop_job, str(input["key"]))
+
+
 def _no_dispatch(engine: Any, run: Any) -> None:
     """Dispatch that sends nothing: the benchmark measures admission, not Celery."""
 
 
 def _noop_job(key: str) -> None:
     return None
+
+
+class DispatchStarter:
+    """``FirstStep.dispatch``: durable's default engine and Celery dispatcher, message sent on commit."""
+
+    def __init__(self) -> None:
+        from bench.firststep import FirstStep
+
+        self.workflow = FirstStep
+
+    def start(self, key: str) -> bool:
+        self.workflow.dispatch({"key": key})
+        return True
+
+    def close(self) -> None:
+        from django.db import connections
+
+        connections.close_all()
 
 
 class DurableStarter:
@@ -71,6 +99,7 @@ class DurableStarter:
         self._concurrency = Concurrency
         self.engine = Engine(store=DjangoStore(using=using), dispatch=_no_dispatch, registry=Registry())
         self.engine.register(WORKFLOW, VERSION, _noop_body, Concurrency(key=key_of, limit=RATE_LIMIT))
+        self.engine.register(ONE_STEP_WORKFLOW, VERSION, _one_step_body, Concurrency(key=key_of, limit=RATE_LIMIT))
 
     def set_hot_limit(self, limit: int) -> None:
         self.engine.register(HOT_WORKFLOW, VERSION, _noop_body, self._concurrency(key=key_of, limit=limit))

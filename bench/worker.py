@@ -8,7 +8,7 @@ starts on a barrier shared by the processes taking part.
 
 Commands (``cmd``):
 
-- ``prepare``: open the starter of ``kind`` (durable, raw, procrastinate, dbos;
+- ``prepare``: open the starter of ``kind`` (dispatch, durable, raw, procrastinate, dbos;
   ``hot`` registers the hot workflow with ``limit``; ``latency`` opens durable on
   each of ``aliases``) and warm it up.
 - ``rate``: start runs of ``kind`` round-robin over this process's ``nkeys`` keys
@@ -27,6 +27,10 @@ Commands (``cmd``):
 - ``admit``: ``counts[i]`` starts (process ``i``) of ``kind`` (``grr``: the
   ``GROUP_ROUND_ROBIN`` workflow; ``reject``: the no-op workflow) round-robin
   over ``keys``; reply the statuses created, the elapsed time and the CPU time.
+- ``firststep``: ``warm`` + ``samples`` rounds, each a ``FirstStep.dispatch`` and
+  a ``probe_write.apply_async`` (in alternating order), each waited for until its
+  body has run in the Celery worker of (f); reply, per kind, the microseconds from
+  the call to the body's start (``time.time()`` in both processes).
 - ``drain``: complete the runs in flight on ``keys`` one by one, handing each
   freed slot to the next queued run (``Promoter.promote``) until none is left;
   reply the hand-offs made, the elapsed time and each promote's duration.
@@ -55,7 +59,7 @@ def serve(index: int, databases: str, barrier_sizes: list[int], barriers: list[A
     """Entry point of a benchmark process. ``databases``: JSON of alias -> name, plus URLs."""
     config = json.loads(databases)
     try:
-        _setup_django(config["aliases"])
+        _setup_django(config["aliases"], config["broker"], config["queue"])
         worker = _Worker(index, config, dict(zip(barrier_sizes, barriers, strict=False)))
     except BaseException:
         results.put(json.dumps({"worker": index, "id": 0, "error": traceback.format_exc()}))
@@ -76,8 +80,12 @@ def serve(index: int, databases: str, barrier_sizes: list[int], barriers: list[A
         worker.close()
 
 
-def _setup_django(aliases: dict[str, str]) -> None:
+def _setup_django(aliases: dict[str, str], broker: str, queue: str) -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "testproject.settings")
+    # Read by the test project's settings: the Celery app's broker, and the queue
+    # durable's Celery dispatcher sends runs to.
+    os.environ["CELERY_BROKER_URL"] = broker
+    os.environ["DURABLE_TASK_QUEUE"] = queue
     import django
     from django.conf import settings
 
@@ -119,6 +127,8 @@ class _Worker:
             return self.admit(message["kind"], self._own(message), count, int(message["size"]))
         if cmd == "drain":
             return self.drain(self._own(message))
+        if cmd == "firststep":
+            return self.first_step(int(message["samples"]), int(message["warm"]), float(message["timeout"]))
         raise ValueError(f"unknown command {cmd!r}")
 
     def prepare(self, message: dict[str, Any]) -> Reply:
@@ -142,7 +152,7 @@ class _Worker:
             keys = self._keys(kind, int(message["nkeys"]))
             # One start per key: creates the keys' lock rows (a one-time cost per
             # key) and warms the connection, so the timed runs see steady state.
-            warm = keys if kind in ("durable", "raw") else keys[:20]
+            warm = keys if kind in ("dispatch", "durable", "raw") else keys[:20]
             for key in warm:
                 starter.start(key)
         return {"ok": True}
@@ -254,6 +264,45 @@ class _Worker:
         left = runs.filter(status=RunStatus.QUEUED).count()
         return {"handoffs": handoffs, "completed": completed, "elapsed": elapsed, "promote_us": promote_us, "queued_left": left}
 
+    def first_step(self, samples: int, warm: int, timeout: float) -> Reply:
+        """Dispatch to first step vs apply_async to a bare task's body, interleaved, one at a time."""
+        import uuid
+
+        from django.db import connection
+
+        from bench.firststep import PROBE_TABLE, FirstStep, probe_write
+        from durable.conf import settings as durable_settings
+
+        body_of = {
+            "dispatch": "SELECT (output ->> 'started')::float8 FROM durable_workflowrun "
+            "WHERE run_id = %s AND status = 'completed'",
+            "baseline": f"SELECT started FROM {PROBE_TABLE} WHERE token = %s",
+        }
+        out: dict[str, list[int]] = {"dispatch": [], "baseline": []}
+        for i in range(warm + samples):
+            for kind in ("dispatch", "baseline") if i % 2 == 0 else ("baseline", "dispatch"):
+                t0 = time.time()
+                if kind == "dispatch":
+                    token = FirstStep.dispatch({"key": f"f-k{i % 10}"}).run_id
+                else:
+                    token = uuid.uuid4().hex
+                    # To the queue durable sends runs to (the worker of (f) consumes it).
+                    probe_write.apply_async(args=(token,), queue=durable_settings.TASK_QUEUE)
+                # The first sample also waits for the worker to come up.
+                deadline = time.monotonic() + (timeout * 4 if i == 0 else timeout)
+                while True:
+                    with connection.cursor() as cursor:
+                        cursor.execute(body_of[kind], [token])
+                        row = cursor.fetchone()
+                    if row is not None and row[0] is not None:
+                        break
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"(f) the {kind} message {token} was not executed within {timeout:g} s")
+                    time.sleep(0.002)
+                if i >= warm:
+                    out[kind].append(int((float(row[0]) - t0) * 1e6))
+        return {"latency_us": out}
+
     # -- helpers -------------------------------------------------------------
     def _own(self, message: dict[str, Any]) -> list[str]:
         keys = [str(k) for k in message["keys"]]
@@ -271,6 +320,8 @@ class _Worker:
     def _open(self, kind: str) -> Any:
         if kind == "durable":
             return starters.DurableStarter()
+        if kind == "dispatch":
+            return starters.DispatchStarter()
         if kind.startswith("durable@"):
             return starters.DurableStarter(using=kind.partition("@")[2])
         if kind.startswith("roundtrip@"):

@@ -64,6 +64,8 @@ def test_smallest_run_prints_targets_and_over_admission_and_drops_its_database()
     for via in ("django", "psycopg"):  # the round-trip floor, measured by the same 2 processes
         assert row(lines, "b", f"floor: SELECT 1 p50 / p99, 2 procs, {via}", r"[\d.]+ ms / [\d.]+ ms")
     [refusal] = [line for line in targets(lines) if "refusal latency p99" in line]
+    # A ratio to the floor measured in the same run, not an absolute latency.
+    assert re.search(r"refusal latency p99 / Django SELECT 1 p99 \(2 starters\) <= 2\.00x\s+measured \d+\.\d\dx", refusal)
     assert re.search(r"floor here: django SELECT 1 p99 [\d.]+ ms; psycopg SELECT 1 p99 [\d.]+ ms", refusal)
     verdicts = [line.split()[0] for line in targets(lines)]
     assert verdicts and set(verdicts) <= {"PASS", "MISS", "N/A"}
@@ -79,7 +81,11 @@ def test_group_round_robin_section_prints_rates_ratio_and_hand_offs() -> None:
     assert row(lines, "e", "queued GROUP_ROUND_ROBIN starts, 1 proc", r"[\d,]+ /s")
     assert row(lines, "e", "REJECT starts (durable_admit), 1 proc", r"[\d,]+ /s")
     assert row(lines, "e", "ratio queued GRR / REJECT, 1 proc", r"\d+\.\d\dx")
-    assert row(lines, "e", "SQL statements: REJECT start / queued start / hand-off", r"\d+ / \d+ / \d+")
+    statements = row(
+        lines, "e", "SQL statements: REJECT start / queued start / hand-off / one-step run executed", r"\d+ / \d+ / \d+ / \d+"
+    )
+    assert statements is not None
+    assert all(int(n) > 0 for n in statements["value"].split(" / "))
     handoffs = row(lines, "e", "hand-offs (complete a run + Promoter.promote), 1 proc", r"[\d,]+ /s")
     assert handoffs is not None
     # Exactness, not speed: every queued run was handed a slot.
@@ -102,6 +108,61 @@ def test_hand_off_section_runs_a_celery_worker_and_prints_the_latencies() -> Non
         assert row(lines, "d", f"  runs of a key overlapping, {name}", "0")  # limit 1 held, not speed
     [verdict] = [line.split()[0] for line in targets(lines) if "(d)" in line]
     assert verdict in ("PASS", "MISS")  # measured, whichever way
+    assert databases_left(scratch) == []
+
+
+def redis_broker() -> str:
+    broker = os.environ.get("CELERY_BROKER_URL", "")
+    if not broker.startswith("redis://"):
+        pytest.skip("this section sends Celery messages to Redis: set CELERY_BROKER_URL=redis://...")
+    return broker
+
+
+@pytest.mark.postgres
+@pytest.mark.worker
+def test_start_rate_section_dispatches_to_redis_and_prints_the_shortcut_apart() -> None:
+    import redis
+
+    broker = redis_broker()
+    scratch = f"durable_bench_rate_{os.getpid()}"
+    lines = bench(scratch, "--only", "a", "--procs", "1", "--seconds", "0.5")
+
+    assert row(lines, "a", "durable Wf.dispatch (Celery message to Redis), 1 proc", r"[\d,]+ /s")
+    assert row(lines, "a", "shortcut: Engine.start, no-op dispatch (runs never execute), 1 proc", r"[\d,]+ /s")
+    assert row(lines, "a", "raw psycopg transaction, 1 proc", r"[\d,]+ /s")
+    assert row(lines, "a", "ratio dispatch/raw, 1 proc", r"\d+\.\d\dx")
+    # Every message sent reached the broker's queue (nothing consumed it), which is then removed.
+    [note] = [line for line in lines if "messages in the Redis queue" in line]
+    found = re.search(r"queue (?P<queue>\S+) after each round .*: (?P<length>[\d,]+) of (?P<sent>[\d,]+)$", note)
+    assert found is not None, note
+    assert found["length"] == found["sent"] and int(found["sent"].replace(",", "")) > 0
+    assert redis.Redis.from_url(broker).llen(found["queue"]) == 0
+    raw, procrastinate = targets(lines)
+    assert "(a) dispatch/raw starts at 1 processes >= 0.90x" in raw
+    assert raw.split()[0] in ("PASS", "MISS")  # measured, whichever way
+    assert "(a) dispatch/procrastinate defer at 1 process >= 1.00x" in procrastinate
+    # Measured, or not applicable because procrastinate is not installed (the reason is printed).
+    assert procrastinate.split()[0] in ("PASS", "MISS") or "procrastinate is not installed" in procrastinate
+    assert databases_left(scratch) == []
+
+
+@pytest.mark.postgres
+@pytest.mark.worker
+def test_dispatch_to_first_step_section_runs_workers_and_prints_latencies_against_a_bare_task() -> None:
+    redis_broker()
+    scratch = f"durable_bench_first_{os.getpid()}"
+    lines = bench(scratch, "--only", "f", "--first-steps", "3")
+
+    configurations = [f"{pool}, {db}" for pool in ("threads", "prefork") for db in ("per task", "pooled")]
+    for label in configurations:
+        assert row(lines, "f", f"dispatch -> first step p50 / p99, {label}", r"[\d.]+ ms / [\d.]+ ms")
+        assert row(lines, "f", f"bare task -> body p50 / p99, {label}", r"[\d.]+ ms / [\d.]+ ms")
+    lines_f = [line for line in targets(lines) if "(f)" in line]
+    assert [line.split("(f) ")[1].split(" <=")[0] for line in lines_f] == [
+        f"dispatch -> first step p50 / bare task p50, {label}" for label in configurations
+    ]
+    assert {line.split()[0] for line in lines_f} <= {"PASS", "MISS"}  # measured, whichever way
+    assert all("<= 1.20x" in line for line in lines_f)
     assert databases_left(scratch) == []
 
 

@@ -1,0 +1,102 @@
+"""Section (f): from ``Wf.dispatch`` to the first step's body, with a warm Celery worker on Redis.
+
+Against a baseline measured in the same run, sample by sample interleaved: a
+bare Celery task that makes one committed database write, from ``apply_async``
+to its body. Both are sent by benchmark process 0 (its Celery app on the
+``--broker``, durable's ``TASK_QUEUE`` set to the pool's queue) and run by one
+``celery -A testproject worker`` consuming that queue, once per pool (threads,
+prefork) and database setting (a connection per task, Django's pool).
+"""
+
+from __future__ import annotations
+
+import psycopg
+
+from bench import broker
+from bench import report as _report
+from bench.celery_worker import CeleryWorker
+from bench.firststep import CREATE_PROBE_TABLE
+from bench.pool import WorkerError, WorkerPool
+from bench.queueing import WORKER_DATABASES
+from bench.report import Report
+from bench.scratch import Scratch
+from bench.sections import Options, Progress
+
+POOLS = ("threads", "prefork")
+#: Discarded samples of each kind at the start of each worker (the first also waits for the worker to start).
+WARM = 3
+#: Seconds a sample may take before the section gives up.
+TIMEOUT = 30.0
+TARGET = 1.2
+
+
+def section_f(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch, progress: Progress) -> None:
+    app = broker.broker_app(opts.broker)
+    reason = broker.reach(app)
+    if reason:
+        app.close()
+        progress(f"(f) left out: {reason}")
+        report.row("f", "dispatch to first step", "-", f"not run: {reason}")
+        report.target("f", "dispatch -> first step p50 / bare task p50", f"<= {TARGET:.2f}x", None, None, "-", reason)
+        return
+    with psycopg.connect(scratch.conninfo(scratch.main), autocommit=True) as conn:
+        conn.execute(CREATE_PROBE_TABLE)
+    measured: list[tuple[str, list[float], list[float]]] = []
+    try:
+        for pool_kind in POOLS:
+            for name, query, _ in WORKER_DATABASES:
+                label = f"{pool_kind}, {name}"
+                broker.purge(app, opts.pool_queue)  # what (a) left, if anything
+                worker = CeleryWorker(
+                    broker=opts.broker,
+                    database_url=scratch.url(scratch.main) + query,
+                    queue=opts.pool_queue,
+                    pool=pool_kind,
+                    concurrency=1,
+                    include="bench.firststep",
+                )
+                progress(f"(f) {label}: {opts.first_steps} dispatches and bare tasks, interleaved ({worker.describe()})")
+                message = {"cmd": "firststep", "samples": opts.first_steps, "warm": WARM, "timeout": TIMEOUT}
+                with worker:
+                    [reply] = pool.call_lenient([0], message, timeout=TIMEOUT * (2 * (opts.first_steps + WARM) + 4))
+                    if "error" in reply:
+                        worker.check()
+                        raise WorkerError(f"(f) {label} failed:\n{reply['error']}\nthe worker's log:\n{worker.log_tail()}")
+                latency = reply["latency_us"]
+                measured.append((label, sorted(latency["dispatch"]), sorted(latency["baseline"])))
+    finally:
+        try:
+            broker.purge(app, opts.pool_queue)
+        finally:
+            app.close()
+    _report_f(report, opts, measured)
+
+
+def _report_f(report: Report, opts: Options, measured: list[tuple[str, list[float], list[float]]]) -> None:
+    def p(values: list[float], q: float) -> str:
+        return _report.ms(_report.percentile(values, q))
+
+    for label, dispatch, baseline in measured:
+        report.row("f", f"dispatch -> first step p50 / p99, {label}", f"{p(dispatch, 50)} / {p(dispatch, 99)}")
+        report.row("f", f"bare task -> body p50 / p99, {label}", f"{p(baseline, 50)} / {p(baseline, 99)}")
+    for label, dispatch, baseline in measured:
+        ratio = _report.percentile(dispatch, 50) / _report.percentile(baseline, 50)
+        short = "" if len(dispatch) >= 100 else f"(only {len(dispatch)} samples: --quick or --first-steps)"
+        report.target(
+            "f",
+            f"dispatch -> first step p50 / bare task p50, {label}",
+            f"<= {TARGET:.2f}x",
+            ratio,
+            ratio <= TARGET,
+            _report.ratio(ratio),
+            short,
+        )
+    databases = "; ".join(f"{name}: {what}" for name, _, what in WORKER_DATABASES)
+    report.note(
+        f"(f) {opts.first_steps} samples of each kind per configuration after {WARM} discarded, one message at a "
+        "time, the two kinds alternating: FirstStep.dispatch (bench/firststep.py: the start transaction, the Celery "
+        "message on commit) to the time.time() its first step's body reads in the worker (claim, journal read, then "
+        "the step); the baseline, a bare Celery task whose body reads time.time() and INSERTs it (one committed "
+        "write), from apply_async: its reading comes before it connects, durable's first step after the claim "
+        f"(which connects first). One worker per configuration, --concurrency=1, on the --broker. {databases}."
+    )
