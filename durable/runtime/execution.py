@@ -25,7 +25,7 @@ from durable.concurrency import Quota
 from durable.conf import settings
 from durable.runtime.context import WorkflowContext
 from durable.status import RunStatus
-from durable.stores.base import BaseStore, RunRecord, redispatch_cutoffs
+from durable.stores.base import BaseStore, RunRecord, StepEntry, redispatch_cutoffs
 from durable.util import check_json, describe_error
 
 if TYPE_CHECKING:
@@ -55,24 +55,26 @@ class Executor:
         lease = uuid.uuid4().hex
         stale_before = timezone.now() - timedelta(seconds=float(settings.STALE_AFTER))
         try:
-            record = self.store.claim(run_id, lease=lease, worker=_worker_name(), stale_before=stale_before)
+            claimed = self.store.claim_journal(run_id, lease=lease, worker=_worker_name(), stale_before=stale_before)
         except Exception as exc:
             self._recover()
             logger.warning("Run %s could not be claimed, it is delivered again later: %s", run_id, exc)
             self._release(run_id, lease)  # in case the claim committed before the error
             return True
-        if record is None:
+        if claimed is None:
             logger.debug("Run %s is not pending (or is owned by a live worker); nothing to do.", run_id)
             return False
+        record, steps = claimed
         try:
-            self._execute(record, lease)
+            self._execute(record, lease, steps)
         except exceptions.StoreUnavailable as exc:
             return self._interrupted(record, lease, exc.__cause__ or exc)
         except Exception as exc:  # durable's own calls here (journal, suspend, finish)
             return self._interrupted(record, lease, exc)
         return False
 
-    def _execute(self, record: RunRecord, lease: str) -> None:
+    def _execute(self, record: RunRecord, lease: str, steps: list[StepEntry] | None) -> None:
+        """Execute a claimed run; ``steps``: its journal when the claim read it."""
         run_id = record.run_id
         if record.attempt > int(settings.MAX_ATTEMPTS):
             message = f"Gave up after {record.attempt - 1} attempts: the worker kept dying."
@@ -91,7 +93,9 @@ class Executor:
             return
         with self._heartbeat(run_id, lease) as lost:
             while True:
-                ctx = WorkflowContext(self.engine, record, lease, self.store.load_steps(run_id), lost)
+                journal = self.store.load_steps(run_id) if steps is None else steps
+                steps = None  # a replay reads the journal again
+                ctx = WorkflowContext(self.engine, record, lease, journal, lost)
                 try:
                     output = definition.fn(ctx, record.input)
                     output = check_json(output, what=f"the output of workflow {record.workflow!r}")

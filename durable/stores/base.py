@@ -4,7 +4,8 @@
 default) and ``InMemoryStore`` subclass it, and so does a custom store: it
 implements the methods that raise ``NotImplementedError`` here and may keep the
 defaults of the others (``count_runs`` counts ``len(list_runs(...))``, ``admit``
-leaves admission to the engine's generic path, ``run_exists`` asks ``get_run``,
+leaves admission to the engine's generic path, ``claim_journal`` claims without
+reading the journal, ``run_exists`` asks ``get_run``,
 ``waiting_parents`` finds none, ``recover`` and ``release_thread`` do nothing).
 """
 
@@ -143,6 +144,16 @@ class BaseStore:
         """Take a pending run (or a running one whose heartbeat is older than
         ``stale_before``) for ``lease``; None when it is not to be executed."""
         raise NotImplementedError
+
+    def claim_journal(
+        self, run_id: str, *, lease: str, worker: str, stale_before: datetime
+    ) -> tuple[RunRecord, list[StepEntry] | None] | None:
+        """``claim``, reading the run's journal in the same call where the store can:
+        the run and its steps, or the run and None (the engine then calls
+        ``load_steps``); None when it is not to be executed. Default: ``claim``
+        without the journal."""
+        record = self.claim(run_id, lease=lease, worker=worker, stale_before=stale_before)
+        return None if record is None else (record, None)
 
     def heartbeat(self, run_id: str, lease: str) -> bool:
         raise NotImplementedError

@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from django.db import IntegrityError, InterfaceError, OperationalError, connections, transaction
@@ -342,12 +342,45 @@ class DjangoStore(BaseStore):
         )
         return self.get_run(run_id) if claimed else None
 
+    def claim_journal(
+        self, run_id: str, *, lease: str, worker: str, stale_before: datetime
+    ) -> tuple[RunRecord, list[StepEntry] | None] | None:
+        """On PostgreSQL one call of ``durable_claim``: the claim, the status mirrored
+        on the tags, the run and its journal read back. Elsewhere ``claim``, and the
+        engine reads the journal."""
+        connection = connections[self.using]
+        if connection.vendor != "postgresql":
+            return super().claim_journal(run_id, lease=lease, worker=worker, stale_before=stale_before)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT durable_claim(%s, %s, %s, %s, %s)", [run_id, lease, worker, stale_before, timezone.now()])
+            claimed = _json(cursor.fetchone()[0])
+        if claimed is None:
+            return None
+        row = claimed["run"]
+        for name in _DATETIME_FIELDS:
+            row[name] = _datetime(row[name])
+        record = RunRecord(**{name: row[name] for name in _RECORD_FIELDS}, parent_run_id=row["parent_run_id"])
+        steps = [
+            StepEntry(s["position"], s["name"], s["outcome"], s["output"], s["error"], s["attempts"], _datetime(s["started_at"]))
+            for s in claimed["steps"]
+        ]
+        return record, steps
+
     @_reconnecting
     def heartbeat(self, run_id: str, lease: str) -> bool:
         return bool(self._runs().filter(run_id=run_id, status=RunStatus.RUNNING, lease=lease).update(heartbeat_at=timezone.now()))
 
     @_reconnecting
     def finish(self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None) -> bool:
+        """On PostgreSQL one call of ``durable_finish``."""
+        connection = connections[self.using]
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT durable_finish(%s, %s, %s, %s::jsonb, %s::jsonb, %s)",
+                    [run_id, lease, status, _jsonb(output), _jsonb(error), timezone.now()],
+                )
+                return bool(cursor.fetchone()[0])
         qs = self._runs().filter(run_id=run_id, status=RunStatus.RUNNING, lease=lease)
         return self._set_status(qs, status, output=output, error=error, lease="", finished_at=timezone.now())
 
@@ -414,6 +447,27 @@ class DjangoStore(BaseStore):
 
     @_reconnecting
     def record_step(self, run_id: str, lease: str, step: StepEntry) -> bool:
+        """On PostgreSQL one call of ``durable_record_step`` (the lease check, the
+        journal write, the heartbeat)."""
+        connection = connections[self.using]
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT durable_record_step(%s, %s, %s, %s, %s, %s::jsonb, %s::jsonb, %s, %s, %s)",
+                    [
+                        run_id,
+                        lease,
+                        step.position,
+                        step.name,
+                        step.outcome,
+                        _jsonb(step.output),
+                        _jsonb(step.error),
+                        step.attempts,
+                        step.started_at,
+                        timezone.now(),
+                    ],
+                )
+                return bool(cursor.fetchone()[0])
         with transaction.atomic(using=self.using):
             run = self._owned_run(run_id, lease)
             if run is None:
@@ -559,6 +613,24 @@ class DjangoStore(BaseStore):
             return False
         connection.close_if_unusable_or_obsolete()
         return True
+
+
+_DATETIME_FIELDS = ("created_at", "updated_at", "started_at", "finished_at", "heartbeat_at", "dispatched_at", "wake_at")
+
+
+def _jsonb(value: Any) -> str | None:
+    """A JSON value as a ``jsonb`` parameter; None is SQL NULL, as the ORM stores it."""
+    return None if value is None else json.dumps(value)
+
+
+def _json(value: Any) -> Any:
+    """A ``jsonb`` result: the driver may hand it over decoded or as text."""
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def _datetime(value: str | None) -> datetime | None:
+    """A ``timestamptz`` read back from ``jsonb`` (ISO 8601), in UTC as the ORM reads it."""
+    return None if value is None else datetime.fromisoformat(value).astimezone(UTC)
 
 
 def to_record(run: WorkflowRun) -> RunRecord:

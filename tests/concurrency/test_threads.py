@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from durable import Concurrency, ConcurrencyLimitError, Engine, InMemoryStore, Strategy
 from durable.runtime import Registry
+from durable.testing import wait_for
 from tests.threads import held_open, started
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -174,3 +175,47 @@ def test_a_cancel_in_progress_victim_finishing_meanwhile_is_checked(lifetime_cap
     else:
         assert starter.outcome().status == "pending"
     assert engine.count_runs(tag=f"concurrency:{key}", statuses=counted) == 1
+
+
+# -- duplicate deliveries racing to claim one run (docs/explanation/execution.md) --------------
+def test_threads_delivered_the_same_run_claim_it_once() -> None:
+    registry = Registry()
+    calls: list[str] = []
+    release = threading.Event()
+
+    def step() -> int:
+        calls.append(threading.current_thread().name)
+        assert release.wait(30), "the losers never returned"
+        return 7
+
+    registry.register("w", "1", lambda ctx, input: ctx.step("s", step))
+    engine = Engine(dispatch=lambda engine, run_id: None, registry=registry)
+    handle = engine.start("w", {})
+    barrier = threading.Barrier(THREADS)
+    returned: list[str] = []
+
+    def deliver() -> None:
+        try:
+            barrier.wait(timeout=30)
+            engine.execute(handle.run_id)
+        except BaseException:
+            release.set()  # do not keep the winner waiting; outcome() raises this below
+            raise
+        returned.append(threading.current_thread().name)
+
+    threads = [started(deliver) for _ in range(THREADS)]
+    try:  # every losing delivery returns while the winner is inside its step
+        wait_for(
+            lambda: len(returned) >= THREADS - 1 or any(t.error for t in threads),
+            timeout=60,
+            what="the losing deliveries to return",
+        )
+    finally:
+        release.set()
+    for thread in threads:
+        thread.outcome()
+    assert len(calls) == 1 and len(returned) == THREADS
+    assert returned[-1] == calls[0]  # the one claim that won executed the step, after every other delivery returned
+    record = handle.refresh().record
+    assert (record.status, record.output, record.attempt) == ("completed", 7, 1)
+    assert [s.name for s in engine.store.load_steps(handle.run_id)] == ["s"]

@@ -19,10 +19,13 @@ from durable.runtime import Registry
 from durable.stores.base import RunExists, RunRecord
 
 SQL = Path(durable.__file__).resolve().parent / "sql"
+#: Each current copy in durable/sql/ and the functions its file defines.
+FUNCTIONS = {"admit": ["durable_admit"], "lifecycle": ["durable_claim", "durable_record_step", "durable_finish"]}
 
 
-def newest_migration_sql() -> Path:
-    return sorted((SQL / "migrations").glob("*.sql"))[-1]
+def newest_migration_sql(name: str = "admit") -> Path:
+    """The newest versioned file of ``name`` (``NNNN_<name>*.sql``)."""
+    return sorted((SQL / "migrations").glob(f"[0-9][0-9][0-9][0-9]_{name}*.sql"))[-1]
 
 
 def normalise(sql: str) -> str:
@@ -31,23 +34,38 @@ def normalise(sql: str) -> str:
     return " ".join(sql.split()).lower()
 
 
-def test_admit_sql_is_the_newest_versioned_file() -> None:
-    assert (SQL / "admit.sql").read_text() == newest_migration_sql().read_text()
+def definitions(sql: str) -> dict[str, str]:
+    """Each function a file creates, by name: its normalised ``CREATE`` statement."""
+    parts = normalise(sql).split("create or replace function ")[1:]
+    return {part.split("(")[0]: part for part in parts}
+
+
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_the_current_copy_is_the_newest_versioned_file(name: str) -> None:
+    assert (SQL / f"{name}.sql").read_text() == newest_migration_sql(name).read_text()
+    assert sorted(definitions(newest_migration_sql(name).read_text())) == sorted(FUNCTIONS[name])
+
+
+def test_every_current_copy_is_checked() -> None:
+    assert sorted(path.stem for path in SQL.glob("*.sql")) == sorted(FUNCTIONS)
 
 
 @pytest.mark.postgres
 @pytest.mark.django_db
-def test_installed_function_is_the_newest_versioned_file() -> None:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_get_functiondef(p.oid) FROM pg_proc p WHERE p.proname = 'durable_admit'")
-        rows = cursor.fetchall()
-    assert len(rows) == 1  # no older overload left behind
-    installed = normalise(rows[0][0])
-    body = normalise(newest_migration_sql().read_text())
-    # pg_get_functiondef spells the header its own way; the body between $$ is verbatim.
-    assert installed.split("$function$")[1] == body.split("$$")[1]
-    for parameter in re.findall(r"(p_\w+ \w+)", body.split("returns")[0]):
-        assert parameter in installed
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_installed_functions_are_the_newest_versioned_file(name: str) -> None:
+    released = definitions(newest_migration_sql(name).read_text())
+    for function in FUNCTIONS[name]:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_get_functiondef(p.oid) FROM pg_proc p WHERE p.proname = %s", [function])
+            rows = cursor.fetchall()
+        assert len(rows) == 1, function  # no older overload left behind
+        installed = normalise(rows[0][0])
+        body = released[function]
+        # pg_get_functiondef spells the header its own way; the body between $$ is verbatim.
+        assert installed.split("$function$")[1] == body.split("$$")[1], function
+        for parameter in re.findall(r"(p_\w+ \w+)", body.split("returns")[0]):
+            assert parameter in installed, (function, parameter)
 
 
 def _call(run_id: str, quotas: list[dict[str, Any]], *, given: bool) -> tuple[Any, ...]:

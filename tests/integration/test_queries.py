@@ -1,13 +1,19 @@
-"""The start path's queries: few, and the count is an index range scan."""
+"""The queries of a start (few, the count an index range scan) and of a run's execution
+(one round trip per state change on PostgreSQL)."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from django.db import connection
+from django.utils import timezone
 
-from durable import Concurrency, Engine
+from durable import Concurrency, Engine, RunStatus
 from durable.models import RunTag
 from durable.runtime import Registry
+from durable.stores import StepEntry
+from tests.queries import one_step_run_statements
 
 pytestmark = pytest.mark.django_db
 
@@ -67,3 +73,65 @@ def test_quota_count_uses_the_tag_status_index(engine: Engine) -> None:
         )
         plan = "\n".join(row[0] for row in cursor.fetchall())
     assert "durable_tag_count_idx" in plan, plan
+
+
+# -- a run's lifecycle: one round trip per state change (PostgreSQL) -----------------------------
+@pytest.mark.postgres
+def test_claim_with_the_journal_read_is_one_call(engine: Engine, django_assert_num_queries) -> None:
+    handle = engine.start("w", {"key": "tenant:a"})
+    with django_assert_num_queries(1) as captured:
+        claimed = engine.store.claim_journal(handle.run_id, lease="l", worker="w", stale_before=timezone.now())
+    assert captured.captured_queries[0]["sql"].startswith("SELECT durable_claim(")
+    assert claimed is not None and claimed[0].status == RunStatus.RUNNING and claimed[1] == []
+    assert set(RunTag.objects.filter(run__run_id=handle.run_id).values_list("status", flat=True)) == {"running"}
+    with django_assert_num_queries(1):  # not to be executed: one call too
+        live = timezone.now() - timedelta(hours=1)
+        assert engine.store.claim_journal(handle.run_id, lease="x", worker="w", stale_before=live) is None
+
+
+@pytest.mark.postgres
+def test_a_journal_write_is_one_call_with_its_heartbeat_and_lease_check(engine: Engine, django_assert_num_queries) -> None:
+    handle = engine.start("w", {"key": "tenant:a"})
+    store = engine.store
+    assert store.claim_journal(handle.run_id, lease="l", worker="w", stale_before=timezone.now())
+    beat = store.get_run(handle.run_id).heartbeat_at
+    with django_assert_num_queries(1):
+        assert store.record_step(handle.run_id, "l", StepEntry(0, "a", "waiting", output={"until": "t"}))
+    with django_assert_num_queries(1):  # replaces the waiting entry
+        assert store.record_step(handle.run_id, "l", StepEntry(0, "a", "completed", output=3))
+    with django_assert_num_queries(1):  # not this lease's: writes nothing and says so
+        assert store.record_step(handle.run_id, "other", StepEntry(1, "b", "completed")) is False
+    assert [(s.name, s.outcome, s.output) for s in store.load_steps(handle.run_id)] == [("a", "completed", 3)]
+    assert store.get_run(handle.run_id).heartbeat_at > beat
+
+
+@pytest.mark.postgres
+def test_finish_is_one_call(engine: Engine, django_assert_num_queries) -> None:
+    handle = engine.start("w", {"key": "tenant:a"})
+    assert engine.store.claim_journal(handle.run_id, lease="l", worker="w", stale_before=timezone.now())
+    with django_assert_num_queries(1):
+        assert engine.store.finish(handle.run_id, "other", status=RunStatus.COMPLETED) is False
+    with django_assert_num_queries(1):
+        assert engine.store.finish(handle.run_id, "l", status=RunStatus.COMPLETED, output={"x": 1})
+    assert set(RunTag.objects.filter(run__run_id=handle.run_id).values_list("status", flat=True)) == {"completed"}
+
+
+#: A one-step run on PostgreSQL: durable_claim (with the journal), the step's check
+#: that the run is still this execution's, durable_record_step, durable_finish, and
+#: the read of the run's keys whose slots the finish freed.
+ONE_STEP_RUN = [
+    "SELECT durable_claim(",
+    'SELECT "durable_workflowrun"',
+    "SELECT durable_record_step(",
+    "SELECT durable_finish(",
+    'SELECT "durable_runtag"',
+]
+
+
+@pytest.mark.postgres
+def test_a_one_step_run_is_five_statements(engine: Engine) -> None:
+    sql = one_step_run_statements(engine)
+    print(f"a one-step run executes {len(sql)} SQL statements")
+    assert len(sql) == len(ONE_STEP_RUN), sql
+    for start, statement in zip(ONE_STEP_RUN, sql, strict=True):
+        assert statement.startswith(start), (start, statement)

@@ -83,6 +83,42 @@ def test_finished_steps_are_not_called_again_on_resume(queued: Engine, store: An
     assert handle.record.attempt == 2
 
 
+def test_a_claim_with_its_journal_reads_what_get_run_and_load_steps_read(queued: Engine, store: Any) -> None:
+    queued.register("w", "1", lambda ctx, input: None, Concurrency(key="tenant:a", limit=5))
+    parent = queued.start("w", {})
+    handle = queued.start("w", {"n": 1.5, "s": ["x", None]}, parent_run_id=parent.run_id)
+    # A previous execution journaled two steps (the second replacing its waiting entry) and died.
+    assert store.claim(handle.run_id, lease="dead", worker="w1", stale_before=timezone.now())
+    assert store.record_step(handle.run_id, "dead", StepEntry(0, "a", "completed", output={"v": [1, "b"]}))
+    assert store.record_step(handle.run_id, "dead", StepEntry(1, "durable.sleep", "waiting", output={"until": "x"}))
+    started = timezone.now()
+    failed = StepEntry(1, "b", "failed", error={"type": "E"}, attempts=2, started_at=started)
+    assert store.record_step(handle.run_id, "dead", failed)
+    assert not store.record_step(handle.run_id, "other", StepEntry(2, "c", "completed"))  # not its lease: nothing written
+    assert store.finish(handle.run_id, "other", status=RunStatus.COMPLETED) is False
+    claimed = store.claim_journal(handle.run_id, lease="new", worker="w2", stale_before=timezone.now() + timedelta(hours=1))
+    assert claimed is not None
+    record, steps = claimed
+    assert record == store.get_run(handle.run_id)
+    assert (record.status, record.lease, record.worker, record.attempt) == (RunStatus.RUNNING, "new", "w2", 2)
+    assert record.parent_run_id == parent.run_id and record.input == {"n": 1.5, "s": ["x", None]}
+    assert record.started_at is not None and record.heartbeat_at is not None and record.redispatches == 0
+    assert store.count_runs(tag="concurrency:tenant:a", statuses=[RunStatus.RUNNING]) == 1  # the tag mirrors it
+    if steps is not None:  # read with the claim (PostgreSQL): what load_steps reads
+        assert steps == store.load_steps(handle.run_id)
+    journal = [(s.name, s.outcome, s.attempts) for s in store.load_steps(handle.run_id)]
+    assert journal == [("a", "completed", 1), ("b", "failed", 2)]
+    assert store.load_steps(handle.run_id)[1].started_at == started
+    # A live run is not claimed again; a finish on the lease ends it and mirrors the tags.
+    assert store.claim_journal(handle.run_id, lease="x", worker="w3", stale_before=timezone.now() - timedelta(hours=1)) is None
+    assert store.finish(handle.run_id, "new", status=RunStatus.COMPLETED, output=None)
+    assert store.count_runs(tag="concurrency:tenant:a", statuses=[RunStatus.COMPLETED]) == 1
+    done = store.get_run(handle.run_id)
+    assert (done.status, done.lease, done.output) == (RunStatus.COMPLETED, "", None) and done.finished_at is not None
+    assert not store.record_step(handle.run_id, "new", StepEntry(2, "c", "completed"))  # ended: nothing written
+    assert len(store.load_steps(handle.run_id)) == 2
+
+
 def test_step_retries_with_backoff_then_succeeds(queued: Engine, store: Any) -> None:
     attempts: list[int] = []
     delays: list[int] = []
