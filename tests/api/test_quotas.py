@@ -224,3 +224,21 @@ def test_recording_a_refused_starts_limit_never_waits_for_the_keys_lock() -> Non
     with pytest.raises(ConcurrencyLimitError):
         engine.start("w", {}, concurrency=Concurrency(key="held", limit=1))
     assert ConcurrencyLock.objects.get(key="held").limit == 1
+
+
+@pytest.mark.parametrize("keys", [3, 40])
+def test_quota_list_counts_only_the_page_keys(api: APIClient, settings: Any, django_assert_num_queries: Any, keys: int) -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    settings.DURABLE = {**settings.DURABLE, "API_PAGE_SIZE": 2}
+    for i in range(keys):
+        ConcurrencyLock.objects.create(key=f"k{i:03}", limit=5)
+        tagged(WorkflowRunFactory(status="running"), f"concurrency:k{i:03}")
+    # The page of lock rows, then one grouped count of those keys' runs.
+    with django_assert_num_queries(2), CaptureQueriesContext(connection) as captured:
+        response = api.get(quota_url())
+    assert [(q["key"], q["active"]) for q in response.json()["results"]] == [("k000", 1), ("k001", 1)]
+    sql = "\n".join(q["sql"] for q in captured.captured_queries)
+    assert "concurrency:k001" in sql
+    assert "concurrency:k002" not in sql  # the keys after the page are never counted

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -273,3 +274,72 @@ def test_a_run_started_over_http_executes_and_its_steps_show(api: APIClient, cel
     assert [(s["position"], s["name"], s["outcome"]) for s in body["steps"]] == [(0, "add", "completed")]
     assert body["attempt"] == 1
     assert api.post(cancel_url(run_id)).status_code == 409
+
+
+# -- the list's cost does not grow with the number of runs -----------------------------
+
+
+def _finished_history(n: int, running: int) -> None:
+    """``running`` running runs of ``test.add``, then completed runs of ``test.other`` up to ``n``
+    in all (newer), then ANALYZE (the planner's statistics)."""
+    from django.db import connection
+
+    at = timezone.now()
+    models.WorkflowRun.objects.bulk_create(
+        models.WorkflowRun(
+            run_id=f"h{i}",
+            workflow="test.add" if i < running else "test.other",
+            version="1",
+            status="running" if i < running else "completed",
+            created_at=at + timedelta(milliseconds=i),
+        )
+        for i in range(n)
+    )
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE durable_workflowrun")
+
+
+def _plan_of_runs_page(api: APIClient, query: dict[str, str]) -> str:
+    """The plan of the statement that reads the page of runs (the endpoint's first query)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    with CaptureQueriesContext(connection) as captured:
+        assert api.get(runs_url(), query).status_code == 200
+    page_sql = captured.captured_queries[0]["sql"]
+    assert 'FROM "durable_workflowrun"' in page_sql and "COUNT(" not in page_sql
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN (COSTS OFF) " + page_sql)
+        return "\n".join(row[0] for row in cursor.fetchall())
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    ("query", "index"),
+    [
+        ({}, "durable_run_created_idx"),
+        ({"status": "running"}, "durable_run_status_idx"),
+        # Nearly every run matches: reading newest first and skipping the few others
+        # is as good as the status index; either is an index range in list order.
+        ({"status": "completed"}, "durable_run_"),
+        ({"workflow": "test.add"}, "durable_run_workflow_idx"),
+    ],
+)
+def test_list_reads_a_page_through_an_index_in_its_order(api: APIClient, query: dict[str, str], index: str) -> None:
+    _finished_history(4000, running=20)
+    plan = _plan_of_runs_page(api, query)
+    # An index read newest first, stopped after a page: no sort of every matching row.
+    assert f"Index Scan using {index}" in plan, plan  # not Index Scan Backward: the index is newest first
+    assert "Sort" not in plan and "Seq Scan" not in plan, plan
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("n", [100, 3000])
+def test_list_sends_the_same_statements_whatever_the_number_of_runs(
+    api: APIClient, django_assert_num_queries: Any, n: int
+) -> None:
+    _finished_history(n, running=5)
+    # The page of runs (parent joined), tags, steps: nothing counts the runs.
+    with django_assert_num_queries(3):
+        response = api.get(runs_url(), {"status": "running"})
+    assert [run["run_id"] for run in response.json()["results"]] == [f"h{i}" for i in reversed(range(5))]
