@@ -59,11 +59,20 @@ def test_runs_created_in_the_same_instant_are_each_listed_once(api: APIClient, s
         WorkflowRunFactory(run_id=f"r{i}", created_at=at)
     seen: list[str] = []
     url: str | None = runs_url()
+    page: dict[str, Any] = {}
     while url:
         page = api.get(url).json()
         seen += [run["run_id"] for run in page["results"]]
         url = page["next"]
     assert seen == ["r4", "r3", "r2", "r1", "r0"]  # ties broken by id, newest first
+    # And back from the last page, each run once again.
+    back = [run["run_id"] for run in page["results"]]
+    url = page["previous"]
+    while url:
+        page = api.get(url).json()
+        back = [run["run_id"] for run in page["results"]] + back
+        url = page["previous"]
+    assert back == seen
 
 
 def test_list_filters_by_workflow(api: APIClient) -> None:
@@ -299,13 +308,13 @@ def _finished_history(n: int, running: int) -> None:
         cursor.execute("ANALYZE durable_workflowrun")
 
 
-def _plan_of_runs_page(api: APIClient, query: dict[str, str]) -> str:
+def _plan_of_runs_page(api: APIClient, query: dict[str, str], url: str = "") -> str:
     """The plan of the statement that reads the page of runs (the endpoint's first query)."""
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
     with CaptureQueriesContext(connection) as captured:
-        assert api.get(runs_url(), query).status_code == 200
+        assert api.get(url or runs_url(), query).status_code == 200
     page_sql = captured.captured_queries[0]["sql"]
     assert 'FROM "durable_workflowrun"' in page_sql and "COUNT(" not in page_sql
     with connection.cursor() as cursor:
@@ -331,6 +340,21 @@ def test_list_reads_a_page_through_an_index_in_its_order(api: APIClient, query: 
     # An index read newest first, stopped after a page: no sort of every matching row.
     assert f"Index Scan using {index}" in plan, plan  # not Index Scan Backward: the index is newest first
     assert "Sort" not in plan and "Seq Scan" not in plan, plan
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("query", [{}, {"status": "completed"}])
+def test_a_later_page_starts_in_the_index_at_its_cursor(api: APIClient, query: dict[str, str]) -> None:
+    _finished_history(4000, running=20)
+    first = api.get(runs_url(), query).json()
+    plan = _plan_of_runs_page(api, {}, url=first["next"])
+    # The cursor's time is read once (by primary key) and bounds the index range:
+    # no page before it is read again, however deep the page.
+    runs_scan = plan[plan.index("Index Scan using durable_run_") :]
+    assert "created_at <= COALESCE($0" in runs_scan.splitlines()[1], plan  # the scan's Index Cond
+    assert "Sort" not in plan and "Seq Scan" not in plan, plan
+    second = api.get(first["next"]).json()["results"]
+    assert second[0]["run_id"] == f"h{4000 - 51}"
 
 
 @pytest.mark.postgres
