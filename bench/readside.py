@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
-from django.db import connection
+from django.db import connections
 from psycopg.types.json import Jsonb
 
 from bench import history
@@ -63,7 +63,7 @@ def section_h(opts: Options, report: Report, scratch: Scratch, progress: Progres
     small_db, big_db = f"{opts.db_name}_h0", f"{opts.db_name}_h1"
     for name in (small_db, big_db):
         # Copies of the migrated main database, emptied of what other sections wrote.
-        connection.close()
+        connections["default"].close()
         scratch_mod.add_copy(scratch, name)
         with psycopg.connect(scratch.conninfo(name)) as conn:
             conn.execute(_EMPTY)
@@ -138,19 +138,26 @@ def load(conninfo: str, first: int, last: int, keys: int, t0: datetime) -> None:
 def _measure(small_db: str, big_db: str) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds of each list's GET in each database, best of ``REPEAT``.
 
-    The two databases alternate, round after round (a change in the machine's
-    load weighs on both alike); each timed GET follows an untimed one of the same
-    URL on the same connection.
+    One connection to each database stays open and Django's ``default`` alias
+    switches between them request by request: the two databases alternate
+    (the first of a round is the second of the next), so a change in the
+    machine's load weighs on both alike. Each URL is read once untimed first.
     """
     best: list[dict[str, float]] = [{}, {}]
-    for _ in range(REPEAT):
-        for index, name in enumerate((small_db, big_db)):
-            with _database(name):
-                client = _client()
-                for label, url in LISTS:
-                    _get(client, url)
+    with _connections([small_db, big_db]) as wrappers:
+        clients = []
+        for wrapper in wrappers:
+            connections["default"] = wrapper
+            clients.append(_client())
+        for label, url in LISTS:
+            for wrapper, client in zip(wrappers, clients, strict=True):
+                connections["default"] = wrapper
+                _get(client, url)
+            for round_ in range(REPEAT):
+                for index in (0, 1) if round_ % 2 == 0 else (1, 0):
+                    connections["default"] = wrappers[index]
                     started = time.perf_counter()
-                    _get(client, url)
+                    _get(clients[index], url)
                     elapsed = time.perf_counter() - started
                     best[index][label] = min(elapsed, best[index].get(label, elapsed))
     return best[0], best[1]
@@ -176,15 +183,13 @@ def _client() -> Any:
 
 
 @contextlib.contextmanager
-def _database(dbname: str) -> Iterator[None]:
-    """Django's ``default`` alias on ``dbname`` (a copy of the migrated scratch database) for the block."""
-    from django.db import connection
-
-    previous = connection.settings_dict["NAME"]
-    connection.close()
-    connection.settings_dict["NAME"] = dbname
+def _connections(names: list[str]) -> Iterator[list[Any]]:
+    """A connection of Django's ``default`` alias to each of ``names``; the alias is restored at the end."""
+    original = connections["default"]
+    wrappers = [type(original)({**original.settings_dict, "NAME": name}, "default") for name in names]
     try:
-        yield
+        yield wrappers
     finally:
-        connection.close()
-        connection.settings_dict["NAME"] = previous
+        for wrapper in wrappers:
+            wrapper.close()
+        connections["default"] = original
