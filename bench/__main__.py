@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-SECTIONS = ("a", "b", "c", "d", "e", "f")
+SECTIONS = ("a", "b", "c", "d", "e", "f", "h")
 
 #: Defaults of a full run (about 6-7 minutes on 2 cores) and of --quick.
 FULL = {
@@ -58,7 +58,8 @@ DESCRIPTION = (
     "(c) start latency with a million finished runs; (d) slot hand-off latency with a real Celery worker "
     "on Redis (a run completes -> the next queued run of its key starts executing); (e) GROUP_ROUND_ROBIN "
     "admission: queued starts/s against REJECT starts/s, and hand-offs/s; (f) latency from Wf.dispatch to "
-    "the first step's body with a warm Celery worker, against a bare Celery task's."
+    "the first step's body with a warm Celery worker, against a bare Celery task's; (h) the API's and "
+    "the admin's lists with a big history against a small one."
 )
 
 
@@ -69,7 +70,7 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Shorter run (about a minute and a half); 100,000 rows in (c), 60 runs in (d), 1 round in (e).",
     )
-    parser.add_argument("--only", default=",".join(SECTIONS), help="Sections to run, e.g. 'a,c' or 'd,e' (default: a,b,c,d,e,f).")
+    parser.add_argument("--only", default=",".join(SECTIONS), help="Sections to run, e.g. 'a,c' or 'd,e' (default: all).")
     parser.add_argument(
         "--db-name",
         default="durable_bench",
@@ -91,7 +92,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--hot-seconds", type=float, help="Seconds per phase (full 5, quick 2).")
     b.add_argument("--free-rate", type=float, default=100.0, help="Slots freed per second in the churn phase.")
     c = parser.add_argument_group("(c) big history")
-    c.add_argument("--finished-runs", type=int, help="Finished runs loaded (full 1,000,000, quick 100,000).")
+    c.add_argument(
+        "--finished-runs",
+        type=int,
+        help="Finished runs loaded in (c), and runs in (h) on a tenth as many keys (full 1,000,000, quick 100,000).",
+    )
     c.add_argument(
         "--latency-starts",
         type=int,

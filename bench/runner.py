@@ -7,7 +7,7 @@ import time
 
 from django.db import connection
 
-from bench import broker, dispatching, queueing, sections, starters
+from bench import broker, dispatching, queueing, readside, sections, starters
 from bench.pool import WorkerPool
 from bench.report import Report
 from bench.scratch import scratch_databases
@@ -60,7 +60,7 @@ def run(opts: Options, progress: Progress) -> Report:
             t0 = time.perf_counter()
             queueing.section_d(opts, report, scratch, progress)
             progress(f"(d) done in {time.perf_counter() - t0:.0f} s")
-        pooled = [name for name in opts.only if name != "d"]
+        pooled = [name for name in opts.only if name not in ("d", "h")]
         if pooled:
             size = max([max(opts.procs)] * bool({"a", "e"} & set(pooled)) + [opts.starters] * ("b" in pooled) + [1])
             progress(f"spawning {size} benchmark process(es)")
@@ -83,6 +83,11 @@ def run(opts: Options, progress: Progress) -> Report:
                     app = broker.broker_app(opts.broker)
                     broker.delete_queue(app, opts.pool_queue)
                     app.close()
+        if "h" in opts.only:
+            # In this process: Django's test client against the section's own database.
+            t0 = time.perf_counter()
+            readside.section_h(opts, report, scratch, progress)
+            progress(f"(h) done in {time.perf_counter() - t0:.0f} s")
         connection.close()
     report.header.append(f"wall time {time.perf_counter() - started:.0f} s")
     return report
@@ -104,6 +109,8 @@ def _describe(opts: Options) -> str:
             f"(d) {opts.handoffs} runs on {opts.handoff_keys} key(s), Celery worker on {_sanitize(opts.broker)} "
             f"({opts.broker_source})"
         )
+    if "h" in opts.only:
+        parts.append(f"(h) {readside.SMALL_RUNS:,} then {opts.finished_runs:,} runs, a key per {readside.RUNS_PER_KEY} runs")
     if "e" in opts.only:
         parts.append(
             f"(e) {opts.queued_runs:,} queued runs on {opts.queued_keys} keys, {opts.grr_rounds} round(s), "

@@ -94,6 +94,15 @@ def scratch_databases(main: str, *, copies: Sequence[str] = (), empty: Sequence[
         _drop_main(scratch, real_name)
 
 
+def add_copy(scratch: Scratch, name: str) -> None:
+    """Copy the main scratch database (no session may be connected to it) into
+    ``name``, which is then dropped with the others at the end."""
+    if name in (scratch.main, *scratch.copies, *scratch.empty):
+        raise ScratchError(f"Scratch database names must differ: {name!r} is taken.")
+    _create(scratch, name, template=scratch.main)
+    scratch.copies.append(name)
+
+
 def _maintenance(scratch: Scratch) -> psycopg.Connection[Any]:
     return psycopg.connect(scratch.conninfo("postgres"), autocommit=True)
 

@@ -11,9 +11,9 @@ from durable.status import ACTIVE_STATUSES, RunStatus
 
 class WorkflowRun(models.Model):
     run_id = models.CharField(max_length=255, unique=True)
-    workflow = models.CharField(max_length=255, db_index=True)
+    workflow = models.CharField(max_length=255)
     version = models.CharField(max_length=64)
-    namespace = models.CharField(max_length=100, default="default", db_index=True)
+    namespace = models.CharField(max_length=100, default="default")
     status = models.CharField(max_length=16, choices=RunStatus.choices, default=RunStatus.PENDING)
     input = models.JSONField(null=True)
     output = models.JSONField(null=True, blank=True)
@@ -53,7 +53,14 @@ class WorkflowRun(models.Model):
 
     class Meta:
         ordering = ["-created_at", "-id"]
+        # The lists (API and admin) read a page newest first, unfiltered or by one
+        # status, workflow or namespace: each an index range in that order, whose
+        # cost does not grow with the number of runs.
         indexes = [
+            models.Index(fields=["-created_at", "-id"], name="durable_run_created_idx"),
+            models.Index(fields=["status", "-created_at", "-id"], name="durable_run_status_idx"),
+            models.Index(fields=["workflow", "-created_at", "-id"], name="durable_run_workflow_idx"),
+            models.Index(fields=["namespace", "-created_at", "-id"], name="durable_run_namespace_idx"),
             models.Index(
                 fields=["status", "heartbeat_at"],
                 name="durable_run_active_idx",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db.models import Count, Min, Q
+from django.db.models import Count, Exists, Min, OuterRef, Q, QuerySet, Value
+from django.db.models.functions import Concat
 
 from durable import models
 from durable.concurrency import TAG_PREFIX
@@ -24,16 +26,39 @@ class QuotaInfo:
     oldest_queued_at: datetime | None = None
 
 
+def visible_locks(namespace: str | None = None) -> QuerySet[models.ConcurrencyLock]:
+    """The keys' lock rows, by key; with ``namespace``, only the keys it has used.
+
+    "Used" is one ``EXISTS`` per key on the ``(tag, status, namespace)`` index, so
+    a page of keys reads those keys' tag rows only.
+    """
+    locks = models.ConcurrencyLock.objects.order_by("key")
+    if namespace is None:
+        return locks
+    used = models.RunTag.objects.filter(tag=Concat(Value(TAG_PREFIX), OuterRef("key")), namespace=namespace)
+    return locks.filter(Exists(used))
+
+
 def quota_infos(*, namespace: str | None = None, key: str | None = None) -> list[QuotaInfo]:
     """Every known key (or just ``key``) with its in-flight and queued counts.
 
     With ``namespace``, only that namespace's runs are counted and only keys it
-    has used are listed.
+    has used are listed. A list of keys one page at a time: ``infos_for()``.
     """
-    locks = models.ConcurrencyLock.objects.order_by("key")
+    locks = visible_locks(namespace)
     if key is not None:
         locks = locks.filter(key=key)
-    lock_rows = list(locks)
+    return infos_for(list(locks), namespace=namespace)
+
+
+def infos_for(lock_rows: Sequence[models.ConcurrencyLock], *, namespace: str | None = None) -> list[QuotaInfo]:
+    """The ``QuotaInfo`` of each of ``lock_rows`` (a page of keys), in their order.
+
+    One grouped query whatever the number of rows, reading the tag rows of these
+    keys only: its cost does not grow with the number of other keys.
+    """
+    if not lock_rows:
+        return []
     # Every in-flight status, plus the terminal ones a key counts (a lifetime cap
     # counts "completed"): each an index range on (tag, status), so the finished
     # runs of the other keys are never read.
@@ -49,13 +74,6 @@ def quota_infos(*, namespace: str | None = None, key: str | None = None) -> list
     groups: dict[str, dict[str, tuple[int, datetime]]] = {}
     for row in tags.values("tag", "status").annotate(n=Count("id"), oldest=Min("run__created_at")):
         groups.setdefault(row["tag"][len(TAG_PREFIX) :], {})[row["status"]] = (row["n"], row["oldest"])
-    if namespace is not None:
-        used = set(
-            models.RunTag.objects.filter(namespace=namespace, tag__in=[TAG_PREFIX + lock.key for lock in lock_rows])
-            .values_list("tag", flat=True)
-            .distinct()
-        )
-        lock_rows = [lock for lock in lock_rows if TAG_PREFIX + lock.key in used]
     infos = []
     for lock in lock_rows:
         statuses = tuple(lock.count_statuses or DEFAULT_CONCURRENCY_STATUSES)

@@ -14,20 +14,23 @@ from django.utils.timesince import timesince
 
 from durable import models, quotas
 from durable.admin.display import runs_with_tag_url
+from durable.admin.listing import EstimatedCountPaginator
 from durable.concurrency import TAG_PREFIX
 
 
 class _QuotaChangeList(ChangeList):
     """Attaches each listed key's ``QuotaInfo`` (``quota_info``) to its row.
 
-    ``quota_infos()`` computes every key's counts in one grouped query, so a page
-    costs the same number of queries whatever its length.
+    ``quotas.infos_for()`` computes the page's keys only, in one grouped query, so
+    a page costs the same number of queries whatever its length and however many
+    other keys there are.
     """
 
     def get_results(self, request: HttpRequest) -> None:
         super().get_results(request)
-        infos = {info.key: info for info in quotas.quota_infos()}
-        for lock in self.result_list:  # fills the page's result cache
+        page = list(self.result_list)  # fills the page's result cache
+        infos = {info.key: info for info in quotas.infos_for(page)}
+        for lock in page:
             lock.quota_info = infos.get(lock.key)
 
 
@@ -56,6 +59,7 @@ class ConcurrencyQuotaAdmin(admin.ModelAdmin):
     search_fields = ("key",)
     ordering = ("key",)
     show_full_result_count = False
+    paginator = EstimatedCountPaginator
     fields = ("key", "limit", "active", "queued", "oldest_queued", "oldest_in_flight", "counted_statuses", "created_at", "runs")
     readonly_fields = fields
     empty_value_display = "—"

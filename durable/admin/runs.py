@@ -19,6 +19,7 @@ from django.utils.translation import ngettext
 import durable
 from durable import exceptions, models
 from durable.admin.display import MAX_LISTED, TAG_PARAMETER, json_column, listing, runs_with_tag_url
+from durable.admin.listing import EstimatedCountPaginator, IndexedValuesFilter
 from durable.concurrency import TAG_PREFIX
 from durable.status import RETRYABLE_STATUSES
 
@@ -119,12 +120,15 @@ class WorkflowRunAdmin(admin.ModelAdmin):
         "created_at",
         "finished_at",
     )
-    list_filter = ("status", "workflow", "namespace", TagFilter)
+    #: The workflow and namespace choices are read by skipping through their indexes.
+    list_filter = ("status", ("workflow", IndexedValuesFilter), ("namespace", IndexedValuesFilter), TagFilter)
     #: Searched by ``get_search_results``: a run id or tag containing each word.
     search_fields = ("run_id", "tags__tag")
     search_help_text = "Search by run id or tag (for example concurrency:tenant:acme)."
-    #: No second COUNT(*) over the whole table on every filtered page.
+    #: No second COUNT(*) over the whole table on every filtered page, and no
+    #: first one either once the list is big (an estimated count).
     show_full_result_count = False
+    paginator = EstimatedCountPaginator
     inlines = (StepRecordInline,)
     actions = ("cancel_runs", "retry_runs")
     fieldsets = (

@@ -13,6 +13,7 @@ from typing import Any
 from django.db.models import Prefetch, QuerySet
 from rest_framework import generics, status
 from rest_framework.exceptions import APIException, NotFound, ValidationError
+from rest_framework.pagination import BasePagination
 from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -41,7 +42,7 @@ class DurableAPIView(generics.GenericAPIView):
     """Base of the API's views: JSON bodies, configured permissions, per-tenant engine."""
 
     parser_classes = [parsers.StrictJSONParser]
-    pagination_class = pagination.PageNumberPagination
+    pagination_class: type[BasePagination] | None = pagination.PageNumberPagination
     engine: Engine
 
     def get_permissions(self) -> list[BasePermission]:
@@ -75,13 +76,15 @@ class DurableAPIView(generics.GenericAPIView):
 
 
 class RunListView(DurableAPIView):
-    """``GET runs/``: the runs, newest first, paginated; ``?workflow=``, ``?status=``
+    """``GET runs/``: the runs, newest first, paged by cursor; ``?workflow=``, ``?status=``
     (repeatable or comma separated) and ``?tag=`` filter them.
 
     ``POST runs/`` ``{"workflow", "input", "run_id"?}``: start a run through the
     engine, under its quotas. 201 with the new run, 200 with the existing run when
     ``run_id`` names one already.
     """
+
+    pagination_class = pagination.RunCursorPagination
 
     def get_serializer_class(self) -> type[BaseSerializer]:
         if self.request is not None and self.request.method == "POST":
@@ -152,14 +155,17 @@ class RunSignalView(DurableAPIView):
 
 
 class QuotaListView(DurableAPIView):
-    """``GET quotas/``: every concurrency key with its in-flight and queued counts, paginated."""
+    """``GET quotas/``: every concurrency key with its in-flight and queued counts, by
+    key, paged by cursor; only the page's keys are counted."""
 
     serializer_class = serializers.QuotaSerializer
+    pagination_class = pagination.QuotaCursorPagination
 
     def get(self, request: Request) -> Response:
-        infos = quotas.quota_infos(namespace=self.engine.read_namespace)
-        page = self.paginate_queryset(infos)
-        return self.get_paginated_response(serializers.QuotaSerializer(page, many=True).data)
+        namespace = self.engine.read_namespace
+        page = self.paginate_queryset(quotas.visible_locks(namespace)) or []
+        infos = quotas.infos_for(page, namespace=namespace)
+        return self.get_paginated_response(serializers.QuotaSerializer(infos, many=True).data)
 
 
 class QuotaDetailView(DurableAPIView):

@@ -42,7 +42,7 @@ def test_quotas_after_starts_over_http(api: APIClient) -> None:
     response = api.get(quota_url())
     assert response.status_code == 200
     body = response.json()
-    assert body["count"] == 2
+    assert len(body["results"]) == 2
     acme, globex = body["results"]
     assert acme["key"] == "tenant:acme"
     assert (acme["active"], acme["queued"], acme["limit"]) == (2, 0, 3)
@@ -108,13 +108,16 @@ def test_quota_list_is_paginated(api: APIClient, settings: Any) -> None:
     for key in ("a", "b", "c"):
         ConcurrencyLock.objects.create(key=key, limit=1)
     first = api.get(quota_url())
-    assert first.json()["count"] == 3
+    assert set(first.json()) == {"next", "previous", "results"}  # a cursor page: no count
     assert [q["key"] for q in first.json()["results"]] == ["a", "b"]
-    assert [q["key"] for q in api.get(quota_url(), {"page": 2}).json()["results"]] == ["c"]
+    second = api.get(first.json()["next"]).json()
+    assert [q["key"] for q in second["results"]] == ["c"]
+    assert second["next"] is None
+    assert [q["key"] for q in api.get(second["previous"]).json()["results"]] == ["a", "b"]
 
 
 def test_no_quotas_is_an_empty_list(api: APIClient) -> None:
-    assert api.get(quota_url()).json() == {"count": 0, "next": None, "previous": None, "results": []}
+    assert api.get(quota_url()).json() == {"next": None, "previous": None, "results": []}
 
 
 def test_quota_shows_the_age_of_the_oldest_queued_run(api: APIClient) -> None:
@@ -221,3 +224,21 @@ def test_recording_a_refused_starts_limit_never_waits_for_the_keys_lock() -> Non
     with pytest.raises(ConcurrencyLimitError):
         engine.start("w", {}, concurrency=Concurrency(key="held", limit=1))
     assert ConcurrencyLock.objects.get(key="held").limit == 1
+
+
+@pytest.mark.parametrize("keys", [3, 40])
+def test_quota_list_counts_only_the_page_keys(api: APIClient, settings: Any, django_assert_num_queries: Any, keys: int) -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    settings.DURABLE = {**settings.DURABLE, "API_PAGE_SIZE": 2}
+    for i in range(keys):
+        ConcurrencyLock.objects.create(key=f"k{i:03}", limit=5)
+        tagged(WorkflowRunFactory(status="running"), f"concurrency:k{i:03}")
+    # The page of lock rows, then one grouped count of those keys' runs.
+    with django_assert_num_queries(2), CaptureQueriesContext(connection) as captured:
+        response = api.get(quota_url())
+    assert [(q["key"], q["active"]) for q in response.json()["results"]] == [("k000", 1), ("k001", 1)]
+    sql = "\n".join(q["sql"] for q in captured.captured_queries)
+    assert "concurrency:k001" in sql
+    assert "concurrency:k002" not in sql  # the keys after the page are never counted

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -30,7 +31,7 @@ def test_list_is_newest_first(api: APIClient) -> None:
         WorkflowRunFactory(run_id=run_id)
     response = api.get(runs_url())
     assert response.status_code == 200
-    assert response.json()["count"] == 3
+    assert set(response.json()) == {"next", "previous", "results"}  # a cursor page: no count
     assert ids(response) == ["third", "second", "first"]
 
 
@@ -39,13 +40,39 @@ def test_list_is_paginated_by_the_page_size_setting(api: APIClient, settings: An
     for i in range(5):
         WorkflowRunFactory(run_id=f"r{i}")
     first = api.get(runs_url())
-    assert first.json()["count"] == 5
     assert ids(first) == ["r4", "r3"]
     assert first.json()["previous"] is None
-    last = api.get(runs_url(), {"page": 3})
+    second = api.get(first.json()["next"])
+    assert ids(second) == ["r2", "r1"]
+    last = api.get(second.json()["next"])
     assert ids(last) == ["r0"]
     assert last.json()["next"] is None
-    assert api.get(runs_url(), {"page": 4}).status_code == 404
+    assert ids(api.get(last.json()["previous"])) == ["r2", "r1"]
+    bad = api.get(runs_url(), {"cursor": "nope"})
+    assert (bad.status_code, bad.json()) == (404, {"detail": "Invalid cursor", "code": "not_found"})
+
+
+def test_runs_created_in_the_same_instant_are_each_listed_once(api: APIClient, settings: Any) -> None:
+    settings.DURABLE = {**settings.DURABLE, "API_PAGE_SIZE": 2}
+    at = timezone.now()
+    for i in range(5):
+        WorkflowRunFactory(run_id=f"r{i}", created_at=at)
+    seen: list[str] = []
+    url: str | None = runs_url()
+    page: dict[str, Any] = {}
+    while url:
+        page = api.get(url).json()
+        seen += [run["run_id"] for run in page["results"]]
+        url = page["next"]
+    assert seen == ["r4", "r3", "r2", "r1", "r0"]  # ties broken by id, newest first
+    # And back from the last page, each run once again.
+    back = [run["run_id"] for run in page["results"]]
+    url = page["previous"]
+    while url:
+        page = api.get(url).json()
+        back = [run["run_id"] for run in page["results"]] + back
+        url = page["previous"]
+    assert back == seen
 
 
 def test_list_filters_by_workflow(api: APIClient) -> None:
@@ -106,8 +133,8 @@ def _runs_with_tags_and_steps(n: int) -> None:
 @pytest.mark.parametrize("n", [2, 9])
 def test_list_query_count_does_not_grow_with_the_page(api: APIClient, django_assert_num_queries: Any, n: int) -> None:
     _runs_with_tags_and_steps(n)
-    # COUNT(*) for the paginator, the page of runs (parent joined), tags, steps.
-    with django_assert_num_queries(4):
+    # The page of runs (parent joined), tags, steps: no COUNT(*) (cursor pagination).
+    with django_assert_num_queries(3):
         response = api.get(runs_url())
     results = response.json()["results"]
     assert len(results) == n + 1
@@ -256,3 +283,87 @@ def test_a_run_started_over_http_executes_and_its_steps_show(api: APIClient, cel
     assert [(s["position"], s["name"], s["outcome"]) for s in body["steps"]] == [(0, "add", "completed")]
     assert body["attempt"] == 1
     assert api.post(cancel_url(run_id)).status_code == 409
+
+
+# -- the list's cost does not grow with the number of runs -----------------------------
+
+
+def _finished_history(n: int, running: int) -> None:
+    """``running`` running runs of ``test.add``, then completed runs of ``test.other`` up to ``n``
+    in all (newer), then ANALYZE (the planner's statistics)."""
+    from django.db import connection
+
+    at = timezone.now()
+    models.WorkflowRun.objects.bulk_create(
+        models.WorkflowRun(
+            run_id=f"h{i}",
+            workflow="test.add" if i < running else "test.other",
+            version="1",
+            status="running" if i < running else "completed",
+            created_at=at + timedelta(milliseconds=i),
+        )
+        for i in range(n)
+    )
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE durable_workflowrun")
+
+
+def _plan_of_runs_page(api: APIClient, query: dict[str, str], url: str = "") -> str:
+    """The plan of the statement that reads the page of runs (the endpoint's first query)."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    with CaptureQueriesContext(connection) as captured:
+        assert api.get(url or runs_url(), query).status_code == 200
+    page_sql = captured.captured_queries[0]["sql"]
+    assert 'FROM "durable_workflowrun"' in page_sql and "COUNT(" not in page_sql
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN (COSTS OFF) " + page_sql)
+        return "\n".join(row[0] for row in cursor.fetchall())
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    ("query", "index"),
+    [
+        ({}, "durable_run_created_idx"),
+        ({"status": "running"}, "durable_run_status_idx"),
+        # Nearly every run matches: reading newest first and skipping the few others
+        # is as good as the status index; either is an index range in list order.
+        ({"status": "completed"}, "durable_run_"),
+        ({"workflow": "test.add"}, "durable_run_workflow_idx"),
+    ],
+)
+def test_list_reads_a_page_through_an_index_in_its_order(api: APIClient, query: dict[str, str], index: str) -> None:
+    _finished_history(4000, running=20)
+    plan = _plan_of_runs_page(api, query)
+    # An index read newest first, stopped after a page: no sort of every matching row.
+    assert f"Index Scan using {index}" in plan, plan  # not Index Scan Backward: the index is newest first
+    assert "Sort" not in plan and "Seq Scan" not in plan, plan
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("query", [{}, {"status": "completed"}])
+def test_a_later_page_starts_in_the_index_at_its_cursor(api: APIClient, query: dict[str, str]) -> None:
+    _finished_history(4000, running=20)
+    first = api.get(runs_url(), query).json()
+    plan = _plan_of_runs_page(api, {}, url=first["next"])
+    # The cursor's time is read once (by primary key) and bounds the index range:
+    # no page before it is read again, however deep the page.
+    runs_scan = plan[plan.index("Index Scan using durable_run_") :]
+    assert "created_at <= COALESCE($0" in runs_scan.splitlines()[1], plan  # the scan's Index Cond
+    assert "Sort" not in plan and "Seq Scan" not in plan, plan
+    second = api.get(first["next"]).json()["results"]
+    assert second[0]["run_id"] == f"h{4000 - 51}"
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("n", [100, 3000])
+def test_list_sends_the_same_statements_whatever_the_number_of_runs(
+    api: APIClient, django_assert_num_queries: Any, n: int
+) -> None:
+    _finished_history(n, running=5)
+    # The page of runs (parent joined), tags, steps: nothing counts the runs.
+    with django_assert_num_queries(3):
+        response = api.get(runs_url(), {"status": "running"})
+    assert [run["run_id"] for run in response.json()["results"]] == [f"h{i}" for i in reversed(range(5))]

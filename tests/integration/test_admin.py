@@ -388,3 +388,69 @@ def test_quota_change_page_is_read_only_with_counts(admin_client: Client) -> Non
     delete_url = reverse("admin:durable_concurrencylock_delete", args=[quote("tenant:acme")])
     assert admin_client.post(delete_url).status_code == 403
     assert models.ConcurrencyLock.objects.filter(key="tenant:acme").exists()
+
+
+# -- big lists -------------------------------------------------------------------------
+
+
+def test_quotas_changelist_counts_only_the_page_keys(admin_client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from durable.admin import ConcurrencyQuotaAdmin
+
+    monkeypatch.setattr(ConcurrencyQuotaAdmin, "list_per_page", 2)
+    for i in range(5):
+        models.ConcurrencyLock.objects.create(key=f"k{i}", limit=5)
+        tagged(WorkflowRunFactory(status=RunStatus.RUNNING), f"concurrency:k{i}")
+    with CaptureQueriesContext(connection) as captured:
+        response = admin_client.get(QUOTAS_URL, {"p": "2"})
+    assert listed(response) == ["k2", "k3"]
+    assert response.content.decode().count('<td class="field-active">1</td>') == 2
+    counted = [q["sql"] for q in captured.captured_queries if "durable_runtag" in q["sql"]]
+    assert len(counted) == 1 and "concurrency:k2" in counted[0]
+    assert "concurrency:k0" not in counted[0] and "concurrency:k4" not in counted[0]
+
+
+@pytest.mark.postgres
+def test_big_run_list_is_counted_from_the_planner_estimate(admin_client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from durable.admin import listing
+
+    for i in range(300):
+        WorkflowRunFactory(run_id=f"r{i}", status=RunStatus.RUNNING if i < 3 else RunStatus.COMPLETED)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE durable_workflowrun")
+
+    def run_counts(query: dict[str, str]) -> tuple[int, list[str]]:
+        with CaptureQueriesContext(connection) as captured:
+            response = admin_client.get(RUNS_URL, query)
+        assert response.status_code == 200
+        counts = [q["sql"] for q in captured.captured_queries if "COUNT(" in q["sql"] and "durable_workflowrun" in q["sql"]]
+        return response.context["cl"].result_count, counts
+
+    # A small list is counted exactly.
+    assert run_counts({}) == (300, [run_counts({})[1][0]])
+    monkeypatch.setattr(listing, "EXACT_COUNT_UP_TO", 100)
+    # Above the threshold: the planner's estimate (ANALYZE saw every row), no COUNT(*).
+    count, counts = run_counts({})
+    assert counts == [] and abs(count - 300) <= 30
+    # A filter the planner expects to match few rows is counted exactly.
+    assert run_counts({"status__exact": "running"})[0] == 3
+
+
+@pytest.mark.postgres
+def test_workflow_and_namespace_choices_skip_through_their_index(admin_client: Client) -> None:
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    for i in range(30):
+        WorkflowRunFactory(workflow=f"wf.{i % 3}", namespace="eu" if i % 2 else "us")
+    with CaptureQueriesContext(connection) as captured:
+        content = admin_client.get(RUNS_URL).content.decode()
+    for value in ('?workflow=wf.0"', '?workflow=wf.2"', '?namespace=eu"', '?namespace=us"'):
+        assert value in content
+    choices = [q["sql"] for q in captured.captured_queries if "DISTINCT" in q["sql"] or "RECURSIVE" in q["sql"]]
+    assert len(choices) == 2 and all(sql.startswith("WITH RECURSIVE") for sql in choices)

@@ -74,6 +74,18 @@ def test_smallest_run_prints_targets_and_over_admission_and_drops_its_database()
 
 
 @pytest.mark.postgres
+def test_read_side_section_times_every_list_and_drops_its_databases() -> None:
+    scratch = f"durable_bench_read_{os.getpid()}"
+    lines = bench(scratch, "--only", "h", "--finished-runs", "3000")
+    for what in ("API GET runs/,", "API GET quotas/,", "admin run list,", "admin run list, running,", "admin quota list,"):
+        assert row(lines, "h", f"{what} 3,000 runs vs 1,000", r"[\d.]+x"), what
+    verdicts = [line.split()[0] for line in targets(lines)]
+    assert len(verdicts) == 8 and set(verdicts) <= {"PASS", "MISS"}
+    assert all("<= 1.2x" in line for line in targets(lines))
+    assert databases_left(scratch) == []
+
+
+@pytest.mark.postgres
 def test_group_round_robin_section_prints_rates_ratio_and_hand_offs() -> None:
     scratch = f"durable_bench_grr_{os.getpid()}"
     lines = bench(scratch, "--only", "e", "--procs", "1", "--queued-runs", "40", "--queued-keys", "5")
