@@ -170,57 +170,27 @@ def test_recording_a_refused_starts_limit_never_waits_for_the_keys_lock() -> Non
     # A starter holds the key's row lock; a start refused meanwhile with a new limit
     # must return at once (the row it would record on is skipped, not waited for),
     # and the next refusal after the lock is released records the limit.
-    import threading
-
-    from django.db import connections, transaction
-
     from durable import ConcurrencyLimitError, Engine
     from durable.runtime import Registry
     from durable.testing import wait_for
+    from tests.threads import held_open, started
 
     registry = Registry()
     registry.register("w", "1", lambda ctx, input: None)
     engine = Engine(dispatch=lambda engine, run: None, registry=registry)
     for _ in range(2):
         engine.start("w", {}, concurrency=Concurrency(key="held", limit=2))
-    locked, release = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
 
-    def holder() -> None:
-        try:
-            with transaction.atomic():
-                ConcurrencyLock.objects.select_for_update().get(key="held")
-                locked.set()
-                release.wait(timeout=60)
-        except BaseException as exc:  # noqa: BLE001  (reported below)
-            errors.append(exc)
-        finally:
-            connections.close_all()
-
-    refusals: list[int] = []
-
-    def refused_start() -> None:
-        try:
+    def refused_start() -> int:
+        with pytest.raises(ConcurrencyLimitError) as refused:
             engine.start("w", {}, concurrency=Concurrency(key="held", limit=1))
-        except ConcurrencyLimitError as exc:
-            refusals.append(exc.limit)
-        except BaseException as exc:  # noqa: BLE001  (reported below)
-            errors.append(exc)
-        finally:
-            connections.close_all()
+        return refused.value.limit
 
-    thread = threading.Thread(target=holder)
-    thread.start()
-    try:
-        assert locked.wait(timeout=30)
-        starter = threading.Thread(target=refused_start)
-        starter.start()
+    with held_open(lambda: ConcurrencyLock.objects.select_for_update().get(key="held")):
+        starter = started(refused_start)
         wait_for(lambda: not starter.is_alive(), timeout=30, what="the refused start to return while the key is locked")
-        assert refusals == [1] and errors == []
+        assert starter.outcome() == 1
         assert ConcurrencyLock.objects.get(key="held").limit == 2  # skipped while locked
-    finally:
-        release.set()
-        thread.join(30)
     with pytest.raises(ConcurrencyLimitError):
         engine.start("w", {}, concurrency=Concurrency(key="held", limit=1))
     assert ConcurrencyLock.objects.get(key="held").limit == 1
