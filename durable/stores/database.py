@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from django.db import IntegrityError, InterfaceError, OperationalError, connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import CharField, Exists, F, Min, OuterRef, Q, Value
 from django.db.models.functions import Coalesce, Concat
 from django.utils import timezone
@@ -86,6 +87,13 @@ class DjangoStore(BaseStore):
 
     def __init__(self, using: str = "default") -> None:
         self.using = using
+
+    def _postgres(self) -> BaseDatabaseWrapper | None:
+        """This store's connection when it is PostgreSQL, where durable's SQL
+        functions are installed (one round trip per state change); else None, and
+        the store takes its generic ORM path."""
+        connection = connections[self.using]
+        return connection if connection.vendor == "postgresql" else None
 
     # -- reads -------------------------------------------------------------
     def _runs(self) -> Any:
@@ -172,8 +180,8 @@ class DjangoStore(BaseStore):
         if not quotas:
             return
         Lock = _models().ConcurrencyLock
-        connection = connections[self.using]
-        if connection.vendor == "postgresql":
+        connection = self._postgres()
+        if connection is not None:
             payload = json.dumps([{"key": q.key, "limit": q.limit, "statuses": list(q.count_statuses)} for q in quotas])
             table = connection.ops.quote_name(Lock._meta.db_table)
             with connection.cursor() as cursor:
@@ -205,8 +213,8 @@ class DjangoStore(BaseStore):
         ``run_id_given``: the caller chose the run id; a refusal then first makes
         sure no run has it (waiting for a start of it not yet committed), and
         raises ``RunExists`` if one has."""
-        connection = connections[self.using]
-        if connection.vendor != "postgresql":
+        connection = self._postgres()
+        if connection is None:
             return False
         ordered = sorted(quotas, key=lambda q: q.key)
         groups = group_keys([q.tag for q in ordered])
@@ -242,8 +250,8 @@ class DjangoStore(BaseStore):
         and deletes its own row at once; inside an admission, that row is never
         seen by anyone. SQLite's write lock already serialised the starts.
         """
-        connection = connections[self.using]
-        if connection.vendor != "postgresql":
+        connection = self._postgres()
+        if connection is None:
             return bool(self._runs().filter(run_id=run_id).exists())
         table = connection.ops.quote_name(_models().WorkflowRun._meta.db_table)
         with connection.cursor() as cursor:
@@ -348,8 +356,8 @@ class DjangoStore(BaseStore):
         """On PostgreSQL one call of ``durable_claim``: the claim, the status mirrored
         on the tags, the run and its journal read back. Elsewhere ``claim``, and the
         engine reads the journal."""
-        connection = connections[self.using]
-        if connection.vendor != "postgresql":
+        connection = self._postgres()
+        if connection is None:
             return super().claim_journal(run_id, lease=lease, worker=worker, stale_before=stale_before)
         with connection.cursor() as cursor:
             cursor.execute("SELECT durable_claim(%s, %s, %s, %s, %s)", [run_id, lease, worker, stale_before, timezone.now()])
@@ -373,8 +381,8 @@ class DjangoStore(BaseStore):
     @_reconnecting
     def finish(self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None) -> bool:
         """On PostgreSQL one call of ``durable_finish``."""
-        connection = connections[self.using]
-        if connection.vendor == "postgresql":
+        connection = self._postgres()
+        if connection is not None:
             with connection.cursor() as cursor:
                 cursor.execute(
                     "SELECT durable_finish(%s, %s, %s, %s::jsonb, %s::jsonb, %s)",
@@ -449,8 +457,8 @@ class DjangoStore(BaseStore):
     def record_step(self, run_id: str, lease: str, step: StepEntry) -> bool:
         """On PostgreSQL one call of ``durable_record_step`` (the lease check, the
         journal write, the heartbeat)."""
-        connection = connections[self.using]
-        if connection.vendor == "postgresql":
+        connection = self._postgres()
+        if connection is not None:
             with connection.cursor() as cursor:
                 cursor.execute(
                     "SELECT durable_record_step(%s, %s, %s, %s, %s, %s::jsonb, %s::jsonb, %s, %s, %s)",
