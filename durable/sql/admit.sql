@@ -1,6 +1,6 @@
 -- durable_admit: the whole REJECT admission of a start in one round trip (PostgreSQL).
--- Installed by migration 0006 (migration 0004 installed the first version); a
--- change here needs a new file in durable/sql/migrations/ and a migration that runs it.
+-- Installed by migration 0012 (0004 installed the first version, 0006 the second);
+-- a change here needs a new file in durable/sql/migrations/ and a migration that runs it.
 --
 -- p_quotas: [{"key", "limit", "statuses": [...], "group"}], sorted by key.
 -- p_run_id_given: the caller chose p_run_id (an idempotent start), rather than a fresh id.
@@ -16,7 +16,9 @@
 --    particular every start admitted while this one waited for the lock.
 -- 3. Insert the run and its tags, still holding the locks.
 -- A refusal records its limits on the keys' rows that differ, skipping rows
--- locked by another starter (so it never waits).
+-- locked by another starter (so it never waits); when every row holds them
+-- already (the usual refusal: the same limit as the starts before it) it runs
+-- no UPDATE statement at all, which keeps a refusal storm on a hot key cheap.
 -- A refusal of a given run id first makes sure no run has that id: a start of
 -- the same id in a transaction not yet committed is invisible, so it tries to
 -- insert the run id (ON CONFLICT DO NOTHING waits for that transaction), and
@@ -42,6 +44,7 @@ DECLARE
     v_statuses text[];
     v_active bigint;
     v_full boolean := false;
+    v_stale boolean := false;
     v_parent bigint;
     v_pk bigint;
 BEGIN
@@ -105,13 +108,22 @@ BEGIN
         -- Record the refused start's limits on its keys' rows (the quota read model
         -- and hand-offs read them): only rows whose values differ, never waiting
         -- for a row another starter holds locked.
-        UPDATE durable_concurrencylock l SET "limit" = (e->>'limit')::integer, count_statuses = e->'statuses'
-          FROM jsonb_array_elements(p_quotas) AS e
-         WHERE l.key = e->>'key' AND l.key IN (
-               SELECT k.key FROM durable_concurrencylock k JOIN jsonb_array_elements(p_quotas) AS p
-                   ON k.key = p->>'key'
-                WHERE k."limit" IS DISTINCT FROM (p->>'limit')::integer OR k.count_statuses <> p->'statuses'
-                  FOR UPDATE OF k SKIP LOCKED);
+        FOR q IN SELECT value FROM jsonb_array_elements(p_quotas) LOOP
+            v_stale := EXISTS (
+                SELECT 1 FROM durable_concurrencylock l
+                 WHERE l.key = q->>'key'
+                   AND (l."limit" IS DISTINCT FROM (q->>'limit')::integer OR l.count_statuses <> q->'statuses'));
+            EXIT WHEN v_stale;
+        END LOOP;
+        IF v_stale THEN
+            UPDATE durable_concurrencylock l SET "limit" = (e->>'limit')::integer, count_statuses = e->'statuses'
+              FROM jsonb_array_elements(p_quotas) AS e
+             WHERE l.key = e->>'key' AND l.key IN (
+                   SELECT k.key FROM durable_concurrencylock k JOIN jsonb_array_elements(p_quotas) AS p
+                       ON k.key = p->>'key'
+                    WHERE k."limit" IS DISTINCT FROM (p->>'limit')::integer OR k.count_statuses <> p->'statuses'
+                      FOR UPDATE OF k SKIP LOCKED);
+        END IF;
         RETURN QUERY SELECT 'full'::text, v_key, v_limit, v_active, NULL::bigint;
         RETURN;
     END IF;

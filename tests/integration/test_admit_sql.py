@@ -120,3 +120,28 @@ def test_each_outcome_of_the_function_is_the_generic_paths(store: str) -> None:
     with connection.cursor() as cursor:
         cursor.execute("SELECT count(*) FROM durable_workflowrun WHERE run_id = %s", [f"{key}:4"])
         assert cursor.fetchone()[0] == 0
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_a_refusal_writes_the_keys_row_only_when_its_limit_changed() -> None:
+    # The usual refusal (one more start over the same limit) writes nothing, so a
+    # refusal storm on a hot key updates no row; a refusal with a new limit records it.
+    key = f"sql:{uuid.uuid4().hex}"
+
+    def payload(limit: int) -> list[dict[str, Any]]:
+        return [{"key": key, "limit": limit, "statuses": ["pending", "running"], "group": ""}]
+
+    def row() -> tuple[str, int]:
+        with connection.cursor() as cursor:  # ctid: every UPDATE makes a new row version
+            cursor.execute('SELECT ctid::text, "limit" FROM durable_concurrencylock WHERE key = %s', [key])
+            return tuple(cursor.fetchone())  # type: ignore[return-value]
+
+    assert _call(f"{key}:1", payload(1), given=False)[0] == "created"
+    before = row()
+    for n in range(3):
+        assert _call(f"{key}:r{n}", payload(1), given=False)[0] == "full"
+    assert row() == before
+    assert _call(f"{key}:r9", payload(0), given=False)[:3] == ("full", key, 0)
+    after = row()
+    assert after[1] == 0 and after[0] != before[0]
