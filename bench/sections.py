@@ -20,9 +20,12 @@ from durable.status import DEFAULT_CONCURRENCY_STATUSES
 
 Progress = Callable[[str], None]
 
-KINDS = ("dispatch", "durable", "raw", "procrastinate", "dbos")
+KINDS = ("dispatch", "dispatch_sync", "durable", "raw", "procrastinate", "dbos")
+#: The kinds that send a Celery message per start (counted in the queue after each round).
+DISPATCH_KINDS = ("dispatch", "dispatch_sync")
 LABELS = {
     "dispatch": "durable Wf.dispatch (Celery message to Redis)",
+    "dispatch_sync": "option: Wf.dispatch, message sent on the caller's thread (PUBLISH_IN_BACKGROUND off)",
     "durable": "shortcut: Engine.start, no-op dispatch (runs never execute)",
     "raw": "raw psycopg transaction",
     "procrastinate": "procrastinate defer",
@@ -76,7 +79,8 @@ def section_a(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
     app = broker.broker_app(opts.broker)
     reason = broker.reach(app)
     if reason:
-        opts.unavailable["dispatch"] = reason
+        for kind in DISPATCH_KINDS:
+            opts.unavailable[kind] = reason
     try:
         _measure_a(pool, opts, report, progress, app)
     finally:
@@ -110,14 +114,15 @@ def _measure_a(
         for kind, n in configs if r % 2 == 0 else configs[::-1]:
             if kind in opts.unavailable:
                 continue
-            if kind == "dispatch":
+            if kind in DISPATCH_KINDS:
                 broker.purge(app, opts.pool_queue)  # the warm-up's messages, the previous round's
             message = {"cmd": "rate", "kind": kind, "seconds": opts.seconds, "nkeys": opts.keys, "size": n}
             replies = pool.call_lenient(range(n), message, timeout=opts.seconds + 300)
             if _drop_failed(kind, replies, opts, pool, required=kind in ("durable", "raw")):
                 continue
-            if kind == "dispatch":
-                # Nothing consumes the queue: every message sent must be in it.
+            if kind in DISPATCH_KINDS:
+                # Nothing consumes the queue: every message sent must be in it (the
+                # round ended once the publisher had published them all).
                 queued.append((sum(rep["count"] for rep in replies), broker.queue_length(app, opts.pool_queue)))
                 broker.purge(app, opts.pool_queue)
             total = sum(rep["count"] / rep["elapsed"] for rep in replies)
@@ -154,6 +159,11 @@ def _measure_a(
             if value is not None:
                 report.row("a", f"ratio dispatch/{other}, {n} proc", _report.ratio(value), detail.strip(" ()"))
     for n in opts.procs:
+        value, detail = ratio("dispatch", "dispatch_sync", n)
+        if value is not None:
+            label = f"ratio dispatch/option sent on the caller's thread, {n} proc"
+            report.row("a", label, _report.ratio(value), detail.strip(" ()"))
+    for n in opts.procs:
         value, detail = ratio("durable", "raw", n)
         if value is not None:
             report.row("a", f"ratio shortcut (no-op dispatch)/raw, {n} proc", _report.ratio(value), detail.strip(" ()"))
@@ -184,13 +194,17 @@ def _measure_a(
         rounds = ", ".join(f"{length:,} of {sent:,}" for sent, length in queued)
         lost = "" if all(sent == length for sent, length in queued) else " (MISMATCH: messages missing)"
         report.note(
-            f"(a) dispatch: messages in the Redis queue {opts.pool_queue} after each round (nothing consumes it; "
-            f"purged after each round): {rounds}{lost}"
+            f"(a) dispatch and the option sent on the caller's thread: messages in the Redis queue {opts.pool_queue} "
+            f"after each round (nothing consumes it; purged after each round): {rounds}{lost}"
         )
     report.note(
         "(a) dispatch: FirstStep.dispatch (bench/firststep.py, a DurableWorkflow on durable's default engine): "
-        "the admission transaction, then the Celery message sent to the --broker on commit (DEBUG off in the "
-        "benchmark processes); shortcut: Engine.start with a no-op dispatch, the same transaction and no message "
+        "the admission transaction, then on commit the Celery message handed to durable's background publisher, "
+        "which publishes it to the --broker (one Redis pipeline per batch); each round ends when the publisher "
+        "has published every message of the round (durable.tasks.publisher.flush, inside the timed window and the "
+        "CPU time, which counts every thread of the process). DEBUG off in the benchmark processes. Option sent on "
+        "the caller's thread: the same with PUBLISH_IN_BACKGROUND off (execute_run.apply_async after the commit, "
+        "as before the publisher). Shortcut: Engine.start with a no-op dispatch, the same transaction and no message "
         "(those runs never execute); raw: the same transaction in psycopg 3 (BEGIN; SELECT lock row FOR UPDATE; "
         "COUNT tags; INSERT run; INSERT tag; COMMIT); procrastinate: task.defer() on a SyncPsycopgConnector app; "
         "DBOS: DBOSClient.enqueue() onto a queue (no executor running). Ratios are medians of per-round ratios, "

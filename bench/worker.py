@@ -8,11 +8,12 @@ starts on a barrier shared by the processes taking part.
 
 Commands (``cmd``):
 
-- ``prepare``: open the starter of ``kind`` (dispatch, durable, raw, procrastinate, dbos;
+- ``prepare``: open the starter of ``kind`` (dispatch, dispatch_sync, durable, raw, procrastinate, dbos;
   ``hot`` registers the hot workflow with ``limit``; ``latency`` opens durable on
   each of ``aliases``) and warm it up.
 - ``rate``: start runs of ``kind`` round-robin over this process's ``nkeys`` keys
-  for ``seconds``; reply the count, the elapsed time and the CPU time used.
+  for ``seconds``; reply the count, the elapsed time and the CPU time used (both
+  include the wait for the background publisher's last messages, for dispatch).
 - ``storm``: start the hot workflow on ``key`` for ``seconds``; reply the
   admitted and refused counts and their latencies (microseconds).
 - ``roundtrip``: send ``SELECT 1`` for ``seconds`` through ``via`` ("django":
@@ -152,7 +153,7 @@ class _Worker:
             keys = self._keys(kind, int(message["nkeys"]))
             # One start per key: creates the keys' lock rows (a one-time cost per
             # key) and warms the connection, so the timed runs see steady state.
-            warm = keys if kind in ("dispatch", "durable", "raw") else keys[:20]
+            warm = keys if kind in ("dispatch", "dispatch_sync", "durable", "raw") else keys[:20]
             for key in warm:
                 starter.start(key)
         return {"ok": True}
@@ -162,6 +163,8 @@ class _Worker:
         keys = self._keys(kind, nkeys)
         i = self.cursors[kind]
         count = refused = 0
+        if hasattr(starter, "begin"):
+            starter.begin()
         self.barriers[size].wait(timeout=120)
         cpu0 = time.process_time()
         t0 = time.perf_counter()
@@ -173,6 +176,8 @@ class _Worker:
             count += 1
             if time.perf_counter() >= deadline:
                 break
+        if hasattr(starter, "finish"):
+            starter.finish()  # in the timed window: the round counts only what reached the broker
         elapsed = time.perf_counter() - t0
         self.cursors[kind] = i
         return {"count": count, "elapsed": elapsed, "refused": refused, "cpu": time.process_time() - cpu0}
@@ -322,6 +327,8 @@ class _Worker:
             return starters.DurableStarter()
         if kind == "dispatch":
             return starters.DispatchStarter()
+        if kind == "dispatch_sync":
+            return starters.DispatchStarter(background=False)
         if kind.startswith("durable@"):
             return starters.DurableStarter(using=kind.partition("@")[2])
         if kind.startswith("roundtrip@"):

@@ -33,6 +33,11 @@ class Defaults:
     #: that no worker picked up is sent again by the sweeper; each further
     #: re-send of the same run waits twice as long (at most 64 times this).
     REDISPATCH_AFTER: float = 60.0
+    #: Publish the Celery message of a start from a background thread of the
+    #: process (``durable.tasks.publisher``) instead of the caller's thread:
+    #: the caller does not wait for the broker. False: send it on the caller's
+    #: thread once the transaction commits.
+    PUBLISH_IN_BACKGROUND: bool = True
     #: Seconds between two sweeps (used by ``durable.tasks.beat_schedule()``).
     SWEEP_INTERVAL: float = 15.0
     #: How many times a run is started by a worker before it is marked ``dead``.

@@ -7,12 +7,24 @@ duplicate delivery change nothing.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import contextvars
+import functools
+import itertools
 import logging
+import os
+import queue as _queue_module
+import threading
+import time
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from celery import Task, shared_task
-from celery.signals import worker_ready
+from celery import Celery, Task, shared_task, signals
+from celery.signals import worker_process_shutdown, worker_ready
+from celery.utils.saferepr import saferepr
+from django.core.signals import setting_changed
+from kombu.common import Broadcast, maybe_declare
 from kombu.exceptions import OperationalError
 
 from durable.conf import settings
@@ -158,9 +170,394 @@ def revoke(task_id: str) -> bool:
     return True
 
 
-def _traceback(exc: BaseException) -> bool:
+def _traceback(exc: BaseException, app: Celery | None = None) -> bool:
     """Whether a failed send deserves a traceback: not for the broker being unreachable."""
-    return not isinstance(exc, (OperationalError, OSError))
+    errors: tuple[type[BaseException], ...] = (OperationalError, OSError)
+    if app is not None:
+        with contextlib.suppress(Exception):
+            errors += tuple(app.connection_for_write().connection_errors)
+    return not isinstance(exc, errors)
+
+
+# -- the background publisher ------------------------------------------------------
+class _Message(NamedTuple):
+    """A run message waiting for the publisher: what ``send_run`` would send, and
+    what Celery reads from the caller (its app, the worker task it runs in, and
+    the context publish signals run in, when something listens to them)."""
+
+    app: Celery
+    run_id: str
+    task_id: str
+    queue: str | None
+    root_id: str | None
+    parent_id: str | None
+    context: contextvars.Context | None
+
+
+class _Flush:
+    """A marker in the publisher's queue: set once every message put before it is handled."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+
+#: Most messages one batch of the publisher takes from its queue before publishing them.
+PUBLISH_BATCH = 500
+
+
+class Publisher:
+    """Publishes the run messages of this process from a background thread.
+
+    ``submit`` (the on-commit callback of a start, on the caller's thread) only puts
+    the message on an in-process queue. A daemon thread takes everything waiting
+    (at most ``PUBLISH_BATCH``), publishes it through one producer of the Celery
+    app's pool (in one Redis pipeline when kombu offers ``Producer.batch``), and
+    waits for more: no broker round trip on the caller's path, and no waiting
+    either, since a batch goes out as soon as the thread gets to it.
+
+    The run row is the outbox: a message that cannot be published (after one
+    quick retry, as ``SEND_RETRY_POLICY``) is logged, and the sweeper sends the
+    ``pending`` run again after ``REDISPATCH_AFTER``. Nothing is raised into the
+    caller. A forked child (prefork workers, ``gunicorn --preload``) starts a
+    thread of its own on its first message; the parent's queue stays the
+    parent's. The interpreter's exit (and a prefork worker process's) waits up to
+    ``exit_timeout`` seconds for the messages still queued.
+
+    The message is the one ``execute_run.apply_async`` sends (Celery's task
+    protocol 2, JSON, the task's options, its route), built from a template made
+    once per batch by ``app.amqp.create_task_message``. Celery's
+    ``before_task_publish`` and ``after_task_publish`` are sent when they have
+    receivers, in a copy of the caller's ``contextvars`` context (tracing
+    integrations see the caller's span); ``after_task_publish`` once the batch
+    reached the broker. With ``task_send_sent_event`` on, each message goes
+    through ``apply_async`` in the thread instead (Celery sends the event).
+    """
+
+    #: Seconds the interpreter's exit waits for the messages still queued.
+    exit_timeout: float = 5.0
+
+    def __init__(self) -> None:
+        self._after_fork()
+
+    def _after_fork(self) -> None:
+        """Forget the thread and the queue (of the parent, after a fork): the next message starts anew."""
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._queue: _queue_module.SimpleQueue[_Message | _Flush] = _queue_module.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, app: Celery, run_id: str, task_id: str, queue: str | None) -> None:
+        """Queue one run's message (never blocks, never raises on the broker's account)."""
+        if self._pid != os.getpid():
+            self._start()
+        parent = app.current_worker_task
+        root_id = parent_id = None
+        if parent is not None:
+            parent_id = parent.request.id
+            root_id = parent.request.root_id or parent_id
+        listened = signals.before_task_publish.receivers or signals.after_task_publish.receivers
+        context = contextvars.copy_context() if listened else None
+        self._queue.put(_Message(app, run_id, task_id, queue, root_id, parent_id, context))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every message submitted before this call is published (or
+        given up and logged); False when ``timeout`` seconds passed first."""
+        if self._pid != os.getpid():
+            return True  # nothing submitted in this process
+        marker = _Flush()
+        self._queue.put(marker)
+        return marker.done.wait(timeout)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                return
+            queue: _queue_module.SimpleQueue[_Message | _Flush] = _queue_module.SimpleQueue()
+            thread = threading.Thread(target=self._serve, args=(queue,), name="durable-publisher", daemon=True)
+            thread.start()
+            self._queue, self._thread = queue, thread
+            self._pid = os.getpid()  # last: a submit that sees it finds the new queue
+
+    def _serve(self, queue: _queue_module.SimpleQueue[_Message | _Flush]) -> None:
+        while True:
+            items = [queue.get()]
+            with contextlib.suppress(_queue_module.Empty):
+                while len(items) < PUBLISH_BATCH:
+                    items.append(queue.get_nowait())
+            messages = [item for item in items if isinstance(item, _Message)]
+            try:
+                for app, group in itertools.groupby(messages, key=lambda m: m.app):
+                    _publish(app, list(group))
+            except BaseException:  # the thread must live on: the sweeper covers what was lost
+                logger.exception("The durable publisher failed; the sweeper sends the pending runs again.")
+            for item in items:
+                if isinstance(item, _Flush):
+                    item.done.set()
+
+    def at_exit(self) -> None:
+        """Wait (``exit_timeout`` at most) for the messages still queued, and say if some were left."""
+        if self._pid == os.getpid() and not self.flush(self.exit_timeout):
+            logger.warning(
+                "Exiting with run messages not yet published after %ss; the sweeper sends those runs after REDISPATCH_AFTER.",
+                self.exit_timeout,
+            )
+
+
+#: This process's publisher (``durable.tasks.publisher.flush(timeout)`` waits for it).
+publisher = Publisher()
+atexit.register(publisher.at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=publisher._after_fork)
+
+
+@worker_process_shutdown.connect
+def _flush_on_worker_process_exit(**kwargs: Any) -> None:
+    """A prefork worker process leaves with ``os._exit`` (no atexit): publish what it queued."""
+    publisher.at_exit()
+
+
+class _Unreachable(Exception):
+    """The broker did not answer the connection attempts of ``SEND_RETRY_POLICY``."""
+
+
+def _publish(app: Celery, messages: list[_Message]) -> None:
+    """Publish ``messages`` (one app's); log what could not be published (the sweeper sends it).
+
+    A broker that does not answer gets the connection attempts of ``SEND_RETRY_POLICY``
+    (one quick retry); a batch that fails once connected is published once more (a
+    pooled connection gone stale reconnects; a message published twice is harmless,
+    the claim is a compare-and-set)."""
+    for attempt in range(2):
+        try:
+            if _app_conf(app).sent_event:
+                _publish_each(app, messages)
+            else:
+                _publish_batch(app, messages)
+            return
+        except _Unreachable as unreachable:
+            error: BaseException = unreachable.__cause__ or unreachable
+        except Exception as exc:
+            error = exc
+            if attempt == 0:
+                continue
+        break
+    shown = ", ".join(m.run_id for m in messages[:50]) + (f" and {len(messages) - 50} more" if len(messages) > 50 else "")
+    logger.error(
+        "Could not send runs %s to the broker (%s: %s). The runs are saved as pending; "
+        "the sweeper sends them again after REDISPATCH_AFTER (%ss).",
+        shown,
+        type(error).__name__,
+        error,
+        settings.REDISPATCH_AFTER,
+        exc_info=_traceback(error, app),
+    )
+
+
+def _publish_each(app: Celery, messages: list[_Message]) -> None:
+    """Celery's own ``apply_async``, message by message (it sends the task-sent events)."""
+    task: Any = app.tasks[EXECUTE_TASK]
+    for m in messages:
+        send = functools.partial(
+            task.apply_async,
+            args=(m.run_id,),
+            task_id=m.task_id,
+            serializer="json",
+            retry_policy=SEND_RETRY_POLICY,
+            root_id=m.root_id,
+            parent_id=m.parent_id,
+            **_queue(m.queue or ""),
+        )
+        if m.context is not None:
+            m.context.run(send)
+        else:
+            send()
+
+
+class _Defaults(NamedTuple):
+    delivery_mode: Any
+    routing_key: str | None
+    compression: str | None
+    retry_policy: dict[str, Any]
+
+
+class _AppConf(NamedTuple):
+    """What the start path reads from a Celery app's configuration, read once (a lookup in
+    Celery's configuration costs tens of microseconds: it goes through Django's settings)."""
+
+    eager: bool
+    sent_event: bool
+    task: Any
+    #: The task's execution options (what ``apply_async`` starts from).
+    options: dict[str, Any]
+    #: The template message (``app.amqp.create_task_message``): headers, properties, embed.
+    headers: dict[str, Any]
+    properties: dict[str, Any]
+    embed: Any
+    defaults: _Defaults
+    read_at: float
+
+
+#: Seconds an ``_AppConf`` is used before it is read again (and at once after Django's
+#: ``setting_changed``, which ``override_settings`` sends).
+CONF_TTL = 1.0
+_app_confs: dict[Celery, _AppConf] = {}
+
+
+def _app_conf(app: Celery) -> _AppConf:
+    known = _app_confs.get(app)
+    if known is not None and time.monotonic() - known.read_at < CONF_TTL:
+        return known
+    conf = app.conf
+    task: Any = app.tasks[EXECUTE_TASK]
+    options = dict(task._get_exec_options(), serializer="json")
+    headers, properties, body, _ = app.amqp.create_task_message(
+        "",
+        EXECUTE_TASK,
+        ("",),
+        {},
+        time_limit=options.pop("time_limit", None),
+        soft_time_limit=options.pop("soft_time_limit", None),
+        ignore_result=task.ignore_result,
+        reply_to=app.thread_oid,
+    )
+    defaults = _Defaults(
+        delivery_mode=conf.task_default_delivery_mode,
+        routing_key=conf.task_default_routing_key,
+        compression=conf.task_compression,
+        retry_policy=dict(conf.task_publish_retry_policy or {}, **SEND_RETRY_POLICY),
+    )
+    known = _AppConf(
+        eager=bool(conf.task_always_eager),
+        sent_event=bool(conf.task_send_sent_event),
+        task=task,
+        options=options,
+        headers=headers,
+        properties=properties,
+        embed=body[2],
+        defaults=defaults,
+        read_at=time.monotonic(),
+    )
+    _app_confs[app] = known
+    return known
+
+
+@setting_changed.connect
+def _forget_app_confs(**kwargs: Any) -> None:
+    _app_confs.clear()
+
+
+def _publish_batch(app: Celery, messages: list[_Message]) -> None:
+    """One producer, one Redis pipeline (``Producer.batch``, kombu 5.7+), one template message."""
+    amqp, conf = app.amqp, _app_conf(app)
+    task, options, headers, properties, embed, defaults = (
+        conf.task,
+        conf.options,
+        conf.headers,
+        conf.properties,
+        conf.embed,
+        conf.defaults,
+    )
+    published: list[tuple[_Message, dict[str, Any], Any, str]] = []
+    producer: Any
+    with app.producer_pool.acquire(block=True) as producer:
+        try:
+            producer.connection.ensure_connection(**SEND_RETRY_POLICY)
+        except Exception as exc:
+            raise _Unreachable() from exc
+        declared: dict[int, Any] = {}
+        batch = producer.batch() if hasattr(producer, "batch") else contextlib.nullcontext()
+        with producer.connection._reraise_as_library_errors(), batch:
+            for m in messages:
+                args = (m.run_id,)
+                wanted = dict(options, queue=m.queue) if m.queue else dict(options)
+                route = amqp.router.route(wanted, EXECUTE_TASK, args, {}, task)
+                exchange, routing_key, delivery_mode, queue = _destination(amqp, route, defaults)
+                if queue is not None and id(queue) not in declared:
+                    declared[id(queue)] = queue
+                    maybe_declare(queue.bind(producer.channel), producer.channel)  # once per batch, as Celery's
+                h = dict(headers)
+                h["id"], h["root_id"], h["parent_id"] = m.task_id, m.root_id or m.task_id, m.parent_id
+                argsrepr = repr(args)
+                h["argsrepr"] = argsrepr if len(argsrepr) <= amqp.argsrepr_maxsize else saferepr(args, amqp.argsrepr_maxsize)
+                props = dict(properties, correlation_id=m.task_id)
+                if route.get("priority") is not None:
+                    props["priority"] = route["priority"]
+                message_body: tuple[Any, ...] = (args, {}, embed)
+                if m.context is not None and signals.before_task_publish.receivers:
+                    m.context.run(
+                        signals.before_task_publish.send,
+                        sender=EXECUTE_TASK,
+                        body=message_body,
+                        exchange=exchange,
+                        routing_key=routing_key,
+                        declare=[queue] if queue is not None else [],
+                        headers=h,
+                        properties=props,
+                        retry_policy=defaults.retry_policy,
+                    )
+                producer.publish(
+                    message_body,
+                    exchange=exchange,
+                    routing_key=routing_key,
+                    serializer="json",
+                    compression=defaults.compression,
+                    delivery_mode=delivery_mode,
+                    headers=h,
+                    **props,
+                )
+                if m.context is not None:
+                    published.append((m, h, exchange, routing_key))
+    for m, h, exchange, routing_key in published:  # the batch reached the broker
+        if m.context is not None and signals.after_task_publish.receivers:
+            m.context.run(
+                signals.after_task_publish.send,
+                sender=EXECUTE_TASK,
+                body=((m.run_id,), {}, embed),
+                headers=h,
+                exchange=exchange,
+                routing_key=routing_key,
+            )
+
+
+def _destination(amqp: Any, route: dict[str, Any], defaults: _Defaults) -> tuple[Any, Any, Any, Any]:
+    """(exchange, routing key, delivery mode, queue to declare) of a routed message, by Celery's
+    rules: a direct exchange without an explicit exchange and routing key is published through
+    the default exchange with the queue's name as routing key."""
+    queue, exchange, routing_key = route.get("queue"), route.get("exchange"), route.get("routing_key")
+    if queue is None and exchange is None:
+        queue = amqp.default_queue
+    name = queue
+    if isinstance(queue, str):
+        queue = amqp.queues[queue]
+    elif queue is not None:
+        name = queue.name
+    queue_exchange = getattr(queue, "exchange", None)
+    delivery_mode = route.get("delivery_mode") or getattr(queue_exchange, "delivery_mode", None) or defaults.delivery_mode
+    exchange_type = route.get("exchange_type") or getattr(queue_exchange, "type", None) or "direct"
+    if (not exchange or not routing_key) and exchange_type == "direct":
+        exchange, routing_key = "", name
+    elif exchange is None:
+        exchange = queue_exchange.name if queue_exchange is not None and queue_exchange.name else amqp.default_exchange
+        routing_key = routing_key or getattr(queue, "routing_key", None) or defaults.routing_key
+    declare = queue if queue is not None and not isinstance(queue, Broadcast) else None
+    return exchange, routing_key, delivery_mode, declare
+
+
+def publish_run(run_id: str, *, task_id: str, queue: str = "") -> None:
+    """The on-commit send of a run: handed to the background ``publisher``, or sent at once
+    with ``send_run`` when Celery runs tasks eagerly (``task_always_eager``: the run executes
+    before the call returns, as ``apply_async`` would) or ``PUBLISH_IN_BACKGROUND`` is off."""
+    app = execute_run.app
+    # Celery's own order: a value set on app.conf wins over the settings it was configured from.
+    eager = app.conf.changes.get("task_always_eager", None)
+    if eager is None:
+        eager = _app_conf(app).eager
+    if eager or not settings.PUBLISH_IN_BACKGROUND:
+        send_run(run_id, task_id=task_id, queue=queue)
+        return
+    publisher.submit(app, run_id, task_id, queue or settings.TASK_QUEUE or None)
 
 
 def live_queues(timeout: float = 1.0) -> list[str]:
@@ -181,7 +578,7 @@ class CeleryDispatcher(dispatch.Dispatcher):
     def send(self, engine: Engine, run: RunRecord) -> None:
         run_id, queue = run.run_id, run.queue
         message_id = task_id(run.run_id, run.generation)
-        engine.store.on_commit(lambda: send_run(run_id, task_id=message_id, queue=queue))
+        engine.store.on_commit(lambda: publish_run(run_id, task_id=message_id, queue=queue))
 
     def revoke(self, engine: Engine, run: RunRecord) -> None:
         message_id = task_id(run.run_id, run.generation)

@@ -143,11 +143,16 @@ def test_start_rate_section_dispatches_to_redis_and_prints_the_shortcut_apart() 
     assert row(lines, "a", "shortcut: Engine.start, no-op dispatch (runs never execute), 1 proc", r"[\d,]+ /s")
     assert row(lines, "a", "raw psycopg transaction, 1 proc", r"[\d,]+ /s")
     assert row(lines, "a", "ratio dispatch/raw, 1 proc", r"\d+\.\d\dx")
-    # Every message sent reached the broker's queue (nothing consumed it), which is then removed.
+    sync = "option: Wf.dispatch, message sent on the caller's thread (PUBLISH_IN_BACKGROUND off), 1 proc"
+    assert row(lines, "a", sync, r"[\d,]+ /s")
+    # Every message sent reached the broker's queue (nothing consumed it) by the end of its
+    # round, in both rounds (the background publisher's and the caller's thread's); then removed.
     [note] = [line for line in lines if "messages in the Redis queue" in line]
-    found = re.search(r"queue (?P<queue>\S+) after each round .*: (?P<length>[\d,]+) of (?P<sent>[\d,]+)$", note)
+    found = re.search(r"queue (?P<queue>\S+) after each round [^:]*: (?P<rounds>.*)$", note)
     assert found is not None, note
-    assert found["length"] == found["sent"] and int(found["sent"].replace(",", "")) > 0
+    rounds = re.findall(r"(\d+(?:,\d{3})*) of (\d+(?:,\d{3})*)", found["rounds"])
+    assert len(rounds) == 2, note
+    assert all(length == sent and int(sent.replace(",", "")) > 0 for length, sent in rounds), note
     assert redis.Redis.from_url(broker).llen(found["queue"]) == 0
     raw, procrastinate = targets(lines)
     assert "(a) dispatch/raw starts at 1 processes >= 0.90x" in raw

@@ -44,8 +44,10 @@ class DeadBroker:
         self.down = True
 
     def restore(self) -> None:
+        """First wait for the background publisher to try (and fail) what was started while down."""
         if not self.down:
             return
+        assert tasks.publisher.flush(timeout=60)
         self.down = False
         self._monkeypatch.undo()
         if celery_app._pool is not None:

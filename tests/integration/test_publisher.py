@@ -1,0 +1,238 @@
+"""The background publisher of run messages (``durable.tasks.publisher``), on
+PostgreSQL and a real Redis broker.
+
+A start hands its Celery message to the publisher on commit and returns; the
+publisher's thread publishes it (in batches) to the broker. The run row is the
+outbox: what the publisher cannot publish is logged, and the sweeper sends it
+(see test_broker_down.py for the broker being down).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import signals
+
+from durable import DjangoStore, Engine, engine, models, tasks
+from durable.tasks import CeleryDispatcher
+from testproject.celery import app as celery_app
+from tests.api.helpers import add_input
+from tests.processes import ROOT
+from tests.threads import started
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.postgres]
+
+#: Set by a test before it starts a run: the publish signals must see the caller's value.
+CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("CALLER", default="not the caller's context")
+
+
+@pytest.fixture
+def queue(settings: Any) -> Iterator[str]:
+    """A queue of this test's own on the real Redis broker (no worker consumes it)."""
+    if not str(celery_app.conf.broker_url).startswith("redis://"):
+        pytest.skip("needs a Redis broker: set CELERY_BROKER_URL")
+    name = f"publisher-{uuid.uuid4().hex[:8]}"
+    settings.DURABLE = {**settings.DURABLE, "TASK_QUEUE": name}
+    yield name
+    _drain(name)
+
+
+def _drain(queue: str, wait: float = 0.2) -> list[dict[str, Any]]:
+    """Take every message out of ``queue``: their headers."""
+    headers: list[dict[str, Any]] = []
+    with celery_app.connection_for_write() as conn, conn.SimpleQueue(queue) as q:
+        while True:
+            try:
+                message = q.get(timeout=wait)
+            except q.Empty:
+                return headers
+            headers.append(dict(message.headers))
+            message.ack()
+
+
+def _ids(headers: list[dict[str, Any]]) -> list[str]:
+    return sorted(h["id"] for h in headers)
+
+
+def _engine() -> Engine:
+    return Engine(DjangoStore(), dispatch=CeleryDispatcher())
+
+
+def test_a_start_returns_before_its_message_is_published_then_the_message_is_published(queue: str) -> None:
+    release, entered = threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    def block(sender: str, headers: dict[str, Any], **kwargs: Any) -> None:
+        seen.append(CALLER.get())
+        entered.set()
+        assert release.wait(60)
+
+    signals.before_task_publish.connect(block, weak=False)
+    try:
+        token = CALLER.set("the caller")
+        try:
+            handle = _engine().start("test.add", add_input("k"))  # returns while the publisher is held
+        finally:
+            CALLER.reset(token)
+        assert entered.wait(30)
+        assert _drain(queue) == []  # not published yet
+        assert models.WorkflowRun.objects.get(run_id=handle.run_id).status == "pending"
+        release.set()
+        assert tasks.publisher.flush(timeout=30)
+    finally:
+        release.set()
+        signals.before_task_publish.disconnect(block)
+    [message] = _drain(queue)
+    assert message["id"] == tasks.task_id(handle.run_id, 0)
+    assert message["task"] == tasks.EXECUTE_TASK
+    assert message["argsrepr"] == repr((handle.run_id,))
+    assert seen == ["the caller"]  # the signal ran in a copy of the caller's context
+
+
+def test_the_message_is_the_one_apply_async_sends(queue: str, settings: Any) -> None:
+    """Same task, id, arguments, routing, serializer and options as ``PUBLISH_IN_BACKGROUND`` off."""
+    background = _engine().start("test.add", add_input("k"))
+    assert tasks.publisher.flush(timeout=30)
+    settings.DURABLE = {**settings.DURABLE, "PUBLISH_IN_BACKGROUND": False}
+    synchronous = _engine().start("test.add", add_input("k"))
+    # Off, the caller's thread sent it before start() returned: no flush needed.
+    got = {h["id"]: h for h in _drain(queue)}
+    assert set(got) == {tasks.task_id(background.run_id, 0), tasks.task_id(synchronous.run_id, 0)}
+    ours, celerys = got[tasks.task_id(background.run_id, 0)], got[tasks.task_id(synchronous.run_id, 0)]
+    differ = {"id", "root_id", "argsrepr", "origin"}
+    assert {k: v for k, v in ours.items() if k not in differ} == {k: v for k, v in celerys.items() if k not in differ}
+    assert ours["root_id"] == ours["id"] and ours["parent_id"] is None
+    assert ours["ignore_result"] is True
+
+
+def test_a_message_that_cannot_be_published_is_logged_and_the_run_stays_pending(
+    queue: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure after connecting (here: every publish raises) is retried once, then logged; never raised."""
+    calls: list[str] = []
+
+    def refuse(self: Any, body: Any, **kwargs: Any) -> None:
+        calls.append(kwargs["headers"]["id"])
+        raise ConnectionResetError("the broker went away")
+
+    monkeypatch.setattr("kombu.messaging.Producer.publish", refuse)
+    handle = _engine().start("test.add", add_input("k"))
+    assert tasks.publisher.flush(timeout=30)
+    monkeypatch.undo()
+    message_id = tasks.task_id(handle.run_id, 0)
+    assert calls == [message_id, message_id]  # one retry
+    assert models.WorkflowRun.objects.get(run_id=handle.run_id).status == "pending"
+    assert any(r.levelname == "ERROR" and handle.run_id in r.getMessage() and "sweeper" in r.getMessage() for r in caplog.records)
+    assert _drain(queue) == []
+
+
+def test_many_threads_starting_at_once_each_get_exactly_one_message(queue: str) -> None:
+    threads, per_thread = 8, 25
+    barrier = threading.Barrier(threads)
+
+    def starts(i: int) -> list[str]:
+        e = _engine()
+        barrier.wait(timeout=30)
+        return [e.start("test.add", add_input(f"t{i}-{j}")).run_id for j in range(per_thread)]
+
+    workers = [started(lambda i=i: starts(i)) for i in range(threads)]
+    run_ids = [run_id for w in workers for run_id in w.outcome()]
+    assert tasks.publisher.flush(timeout=60)
+    assert len(set(run_ids)) == threads * per_thread
+    assert _ids(_drain(queue)) == sorted(tasks.task_id(run_id, 0) for run_id in run_ids)
+
+
+def test_an_eager_celery_app_executes_the_run_before_the_start_returns(settings: Any) -> None:
+    settings.CELERY_TASK_ALWAYS_EAGER = True
+    assert celery_app.conf.task_always_eager
+    handle = engine.start("test.add", add_input("k"))
+    assert models.WorkflowRun.objects.get(run_id=handle.run_id).status == "completed"
+
+
+_SCRIPT = """
+import os, sys, time
+import django
+django.setup()
+from celery import signals
+from durable import Engine, InMemoryStore, tasks
+from durable.tasks import CeleryDispatcher
+from tests import workflows
+
+engine = Engine(InMemoryStore(), dispatch=CeleryDispatcher())
+
+def start(label):
+    return engine.start("test.add", {"a": 1, "b": 2, "key": label}).run_id
+"""
+
+
+def _run_script(queue: str, body: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "CELERY_BROKER_URL": str(celery_app.conf.broker_url),
+        "DURABLE_TASK_QUEUE": queue,
+        "DJANGO_SETTINGS_MODULE": "testproject.settings",
+        "PYTHONPATH": str(ROOT),
+    }
+    script = _SCRIPT + textwrap.dedent(body)
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_the_interpreter_exit_publishes_what_is_still_queued(queue: str) -> None:
+    done = _run_script(
+        queue,
+        """
+        release = __import__("threading").Event()
+        def hold(**kwargs):  # the publisher is held until the script exits
+            release.wait()
+        signals.before_task_publish.connect(hold, weak=False)
+        ids = [start(f"k{i}") for i in range(20)]
+        print(tasks.publisher._queue.qsize() > 0)
+        import atexit
+        atexit.register(release.set)  # runs before durable's own (atexit is last in, first out)
+        print(" ".join(ids))
+        """,
+    )
+    pending, run_ids = done.stdout.splitlines()
+    assert pending == "True"  # messages were still waiting when the script ended
+    assert _ids(_drain(queue)) == sorted(tasks.task_id(run_id, 0) for run_id in run_ids.split())
+
+
+def test_a_forked_child_publishes_through_a_publisher_of_its_own(queue: str) -> None:
+    done = _run_script(
+        queue,
+        """
+        ids = [start("before-fork")]
+        assert tasks.publisher.flush(30)
+        parent_thread = tasks.publisher._thread
+        pid = os.fork()
+        if pid == 0:  # the child: its first start starts its own thread
+            code = 1
+            try:
+                child = start("child")
+                ok = tasks.publisher.flush(30)
+                own = tasks.publisher._thread is not parent_thread and tasks.publisher._thread.is_alive()
+                print(child, flush=True)
+                code = 0 if ok and own else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+        ids.append(start("after-fork"))
+        assert tasks.publisher.flush(30) and tasks.publisher._thread is parent_thread
+        print(" ".join(ids))
+        """,
+    )
+    child, parents = done.stdout.splitlines()
+    run_ids = [child, *parents.split()]
+    assert _ids(_drain(queue)) == sorted(tasks.task_id(run_id, 0) for run_id in run_ids)
