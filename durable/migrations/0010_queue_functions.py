@@ -16,7 +16,7 @@ from django.db import migrations
 SQL = (Path(__file__).resolve().parent.parent / "sql" / "migrations" / "0010_queue.sql").read_text()
 SIGNATURES = (
     "durable_admit_queued(jsonb, text, text, text, text, text, jsonb, text, text, boolean, jsonb)",
-    "durable_promote(jsonb, text, text, jsonb, timestamptz)",
+    "durable_promote(jsonb, text, text, jsonb, timestamptz, boolean)",
 )
 
 

@@ -223,6 +223,12 @@ $$;
 -- it is full, or when the hand-off took its last free slot (the promote of the
 -- run that frees the next one hands that on).
 --
+-- p_async_commit: commit the call's own transaction without waiting for its WAL
+-- to reach the disk (synchronous_commit off, for this transaction only; the
+-- caller passes it only when the call is a transaction of its own). A hand-off
+-- that a crash of the database loses right after it is lost whole: its run is
+-- queued again, and the sweeper hands it the slot. Nothing that saw it can
+-- survive it either: a later synchronous commit flushes the WAL before its own.
 -- A key with no queued run costs one read and takes no lock. Locks are held
 -- until the call ends: a lock is waited for only when its key sorts after every
 -- key this call holds; another one is only tried (SKIP LOCKED), and if it is
@@ -232,7 +238,8 @@ CREATE OR REPLACE FUNCTION durable_promote(
     p_run_id text,
     p_count_namespace text,
     p_lock_first jsonb,
-    p_now timestamp with time zone
+    p_now timestamp with time zone,
+    p_async_commit boolean
 ) RETURNS jsonb
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
@@ -349,6 +356,9 @@ BEGIN
                     EXIT handoffs;  -- the key is full
                 END IF;
                 CONTINUE WHEN v_blocked IS NOT NULL;  -- it waits for another key
+                IF p_async_commit AND jsonb_array_length(v_started) = 0 THEN
+                    PERFORM set_config('synchronous_commit', 'off', true);
+                END IF;
                 UPDATE durable_workflowrun r
                    SET status = 'pending', updated_at = p_now, dispatched_at = p_now, redispatches = 0
                  WHERE r.id = v_head.run_pk AND r.status = 'queued'

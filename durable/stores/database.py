@@ -658,7 +658,10 @@ class DjangoStore(BaseStore):
     ) -> list[RunRecord] | None:
         """On PostgreSQL the hand-offs of ``admission.Promoter.promote`` in one call
         of ``durable_promote`` (a second only when a lock out of key order was busy):
-        the runs it made pending, for the caller to send. None elsewhere."""
+        the runs it made pending, for the caller to send. None elsewhere.
+
+        Outside a transaction the call commits asynchronously: a hand-off lost in a
+        crash of the database leaves its run queued, for the sweeper to hand on."""
         connection = self._postgres()
         if connection is None:
             return None
@@ -667,8 +670,15 @@ class DjangoStore(BaseStore):
         for _ in range(_PROMOTE_CALLS):
             with connection.cursor() as cursor:
                 cursor.execute(
-                    "SELECT durable_promote(%s::jsonb, %s, %s, %s::jsonb, %s)",
-                    [json.dumps(list(keys)), run_id, count_namespace, _jsonb(lock_first), timezone.now()],
+                    "SELECT durable_promote(%s::jsonb, %s, %s, %s::jsonb, %s, %s)",
+                    [
+                        json.dumps(list(keys)),
+                        run_id,
+                        count_namespace,
+                        _jsonb(lock_first),
+                        timezone.now(),
+                        not connection.in_atomic_block,  # its own transaction: commit without waiting for the disk
+                    ],
                 )
                 answer = _json(cursor.fetchone()[0])
             started.extend(_run_record(row) for row in answer["started"])

@@ -181,3 +181,17 @@ def test_a_hand_off_is_a_finish_and_one_promote(grr_engine: Engine, django_asser
     assert (handed.run_id, handed.status, handed.workflow, handed.generation) == (queued.run_id, "pending", "g", 0)
     assert handed.dispatched_at is not None and handed.created_at is not None
     assert set(RunTag.objects.filter(run__run_id=queued.run_id).values_list("status", flat=True)) == {"pending"}
+
+
+@pytest.mark.postgres
+def test_a_hand_off_inside_a_callers_transaction_leaves_its_commit_synchronous(grr_engine: Engine) -> None:
+    """durable_promote commits asynchronously only as a transaction of its own: inside
+    a caller's transaction (here the test's) it never changes how that one commits."""
+    first = grr_engine.start("g", {"key": "k"})
+    queued = grr_engine.start("g", {"key": "k"})
+    assert grr_engine.store.transition(first.run_id, from_statuses=["pending"], to="completed")
+    assert connection.in_atomic_block
+    assert grr_engine.promoter.promote(run_id=first.run_id) == [queued.run_id]
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW synchronous_commit")
+        assert cursor.fetchone()[0] == "on"
