@@ -42,6 +42,18 @@ class ConcurrencyLimitError(DurableError):
         )
 
 
+#: The hint of a ``ConcurrencyLimitError`` on a lifetime cap that its finished runs fill.
+LIFETIME_CAP_HINT = "Its finished runs alone fill this lifetime cap: no start of this key can be admitted again."
+
+
+def holding_ancestor_hint(run_id: str) -> str:
+    """The hint of a ``ConcurrencyLimitError`` refusing a child that would queue behind ``run_id``."""
+    return (
+        f"Its ancestor run {run_id!r} holds a slot of this key: a child queued behind it "
+        "could wait for it forever, so it is refused instead."
+    )
+
+
 class ConcurrencyQueueFullError(ConcurrencyLimitError):
     """The queue of this concurrency key is full: retry shortly."""
 

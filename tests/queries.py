@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from django.db import connections
+from django.test import TestCase
 from django.test.utils import CaptureQueriesContext
 
 from durable import Engine
@@ -14,8 +15,9 @@ from durable import Engine
 def statements(fn: Callable[[], Any], using: str = "default") -> list[str]:
     """The SQL statements ``fn`` sends on this thread's connection to ``using``,
     counted as ``django_assert_num_queries`` counts them (BEGIN, COMMIT and
-    SAVEPOINT included)."""
-    with CaptureQueriesContext(connections[using]) as captured:
+    SAVEPOINT included), and those of what it leaves to run on commit (a test's
+    transaction never commits: they are run as the commit would)."""
+    with CaptureQueriesContext(connections[using]) as captured, TestCase.captureOnCommitCallbacks(using=using, execute=True):
         fn()
     return [query["sql"] for query in captured.captured_queries]
 

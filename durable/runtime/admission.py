@@ -83,7 +83,7 @@ def decide(scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: S
                 key=quota.key,
                 limit=quota.limit,
                 active=active,
-                hint="Its finished runs alone fill this lifetime cap: no start of this key can be admitted again.",
+                hint=exceptions.LIFETIME_CAP_HINT,
             )
     if not full:
         return Decision()
@@ -109,8 +109,7 @@ def decide(scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: S
                     key=quota.key,
                     limit=quota.limit,
                     active=active,
-                    hint=f"Its ancestor run {holder!r} holds a slot of this key: a child queued behind it "
-                    "could wait for it forever, so it is refused instead.",
+                    hint=exceptions.holding_ancestor_hint(holder),
                 )
         return Decision(RunStatus.QUEUED)
     victims: dict[str, RunRecord] = {}
@@ -167,13 +166,26 @@ class Promoter:
     def __init__(self, scope: Scope) -> None:
         self.scope = scope
 
-    def promote(self, keys: Sequence[str]) -> list[str]:
-        """Start queued runs of ``keys`` while those keys have room; return the run ids started.
+    def promote(self, keys: Sequence[str] = (), *, run_id: str | None = None) -> list[str]:
+        """Start queued runs of ``keys`` (then of the keys of ``run_id``, a run that
+        left its slots) while those keys have room; return the run ids started.
 
         A key is left as soon as a hand-off took its last free slot: a slot that
         frees later is handed on by the promote of the run that frees it (every
         release promotes on commit), so looking again would only find it full.
+
+        A store that promotes in one go (``BaseStore.promote``: PostgreSQL's
+        ``durable_promote``) does it all; the runs it started are sent here.
         """
+        store = self.scope.store
+        records = store.promote(keys, run_id=run_id, count_namespace=self.scope.namespace)
+        if records is not None:
+            for record in records:
+                self.scope.send(record)
+                logger.debug("Handed a slot to queued run %s.", record.run_id)
+            return [record.run_id for record in records]
+        if run_id is not None:
+            keys = [*keys, *store.run_keys(run_id)]
         started: list[str] = []
         for key in dict.fromkeys(keys):
             for _ in range(MAX_HANDOFFS):

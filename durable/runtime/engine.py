@@ -234,11 +234,17 @@ class Engine:
         )
         tags = [q.tag for q in quotas]
         given = run_id is not None
+        strategies = {q.strategy for q in quotas}
         try:
-            if not (
-                all(q.strategy is _concurrency.Strategy.REJECT for q in quotas)
-                and self.store.admit(record, quotas, count_namespace=self.read_namespace, run_id_given=given)
-            ):
+            if strategies <= {_concurrency.Strategy.REJECT}:
+                admitted = self.store.admit(record, quotas, count_namespace=self.read_namespace, run_id_given=given)
+            elif strategies <= _ONE_CALL_STRATEGIES:
+                admitted = self.store.admit_queued(
+                    record, quotas, count_namespace=self.read_namespace, run_id_given=given, ancestors=ancestors
+                )
+            else:
+                admitted = False
+            if not admitted:
                 self._admit(definition.name, record, quotas, run_id_given=given, ancestors=ancestors)
         except RunExists:
             # Another starter created the same explicit run id first.
@@ -483,6 +489,9 @@ class EmitResult:
     duplicates: list[RunHandle] = field(default_factory=list)
     skipped: list[SkippedSubscriber] = field(default_factory=list)
 
+
+#: The strategies a store's ``admit_queued`` decides alone (CANCEL_* take the generic path).
+_ONE_CALL_STRATEGIES = frozenset({_concurrency.Strategy.REJECT, _concurrency.Strategy.GROUP_ROUND_ROBIN})
 
 #: How many ancestors a child start looks at (a backstop against a cycle of parents).
 _MAX_DEPTH = 1000

@@ -208,11 +208,11 @@ class Executor:
 
     def released(self, run: RunRecord) -> None:
         """A run left the counted statuses: hand its keys' free slots to queued runs
-        (counted in the run's namespace when reads are fenced)."""
-        keys = self.store.run_keys(run.run_id)
-        if keys:
-            promoter = self.engine.in_namespace(run.namespace).promoter
-            self.store.on_commit(lambda: promoter.promote(keys))
+        (counted in the run's namespace when reads are fenced), on commit. The
+        promoter reads the run's keys itself (on PostgreSQL inside ``durable_promote``)."""
+        promoter = self.engine.in_namespace(run.namespace).promoter
+        run_id = run.run_id
+        self.store.on_commit(lambda: promoter.promote(run_id=run_id))
 
     def _suspended(self, run: RunRecord, wake_at: datetime | None) -> None:
         self.released(run)  # if "suspended" does not count for a key, its slot is free now

@@ -113,6 +113,23 @@ class BaseStore:
         taken run id (``run_id_given``: the caller chose it). Default: False."""
         return False
 
+    def admit_queued(
+        self,
+        record: RunRecord,
+        quotas: Sequence[Quota],
+        *,
+        count_namespace: str | None,
+        run_id_given: bool = False,
+        ancestors: Sequence[RunRecord] = (),
+    ) -> bool:
+        """The admission of a start whose quotas are REJECT and/or GROUP_ROUND_ROBIN
+        in one go, deciding as ``admission.decide`` does (``ancestors``: a child
+        start's parent, its parent...): create the run ``pending`` or ``queued``
+        and set ``record.status``. False when this store has no such path (the
+        engine takes its generic one). Raises as ``admit``, and
+        ``ConcurrencyQueueFullError``. Default: False."""
+        return False
+
     def run_exists(self, run_id: str) -> bool:
         """Whether a run has this id, once any start of it not yet committed has
         ended (a refused start checks it). Default: ``get_run``."""
@@ -224,6 +241,16 @@ class BaseStore:
 
     def set_rr_cursor(self, key: str, group: str) -> None:
         raise NotImplementedError
+
+    def promote(
+        self, keys: Sequence[str] = (), *, run_id: str | None = None, count_namespace: str | None = None
+    ) -> list[RunRecord] | None:
+        """What ``admission.Promoter.promote`` does, in one go: hand the free slots
+        of ``keys``, then of the keys of run ``run_id`` (one that left its slots),
+        to their queued runs, counted in ``count_namespace``; return the runs made
+        ``pending`` (the caller sends them). None when this store has no such path
+        (the promoter takes its generic one). Default: None."""
+        return None
 
     def keys_with_queued(self) -> dict[str, list[str]]:
         """The keys that have queued runs, by the namespace of those runs."""

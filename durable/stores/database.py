@@ -242,6 +242,70 @@ class DjangoStore(BaseStore):
             raise RunExists(record.run_id)
         return True
 
+    def admit_queued(
+        self,
+        record: RunRecord,
+        quotas: Sequence[Quota],
+        *,
+        count_namespace: str | None,
+        run_id_given: bool = False,
+        ancestors: Sequence[RunRecord] = (),
+    ) -> bool:
+        """The admission of a start whose quotas are REJECT and/or GROUP_ROUND_ROBIN
+        in one round trip, on PostgreSQL (the function ``durable_admit_queued``):
+        it decides as ``admission.decide`` does and creates the run ``pending`` or
+        ``queued`` (``record.status`` is set). False when this database has no such
+        path. Raises ``ConcurrencyLimitError`` (``ConcurrencyQueueFullError``) or
+        ``RunExists``."""
+        connection = self._postgres()
+        if connection is None:
+            return False
+        groups = group_keys([q.tag for q in quotas])
+        payload = [
+            {
+                "key": q.key,
+                "limit": q.limit,
+                "statuses": list(q.count_statuses),
+                "group": groups[q.tag],
+                "strategy": str(q.strategy),
+                "max_queued": q.max_queued,
+            }
+            for q in quotas
+        ]
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT * FROM durable_admit_queued(%s::jsonb, %s, %s, %s, %s, %s, %s::jsonb, %s, %s, %s, %s::jsonb)",
+                [
+                    json.dumps(payload),
+                    count_namespace,
+                    record.run_id,
+                    record.workflow,
+                    record.version,
+                    record.namespace,
+                    json.dumps(record.input),
+                    record.parent_run_id,
+                    record.queue,
+                    run_id_given,
+                    json.dumps([{"run_id": a.run_id, "status": str(a.status)} for a in ancestors]),
+                ],
+            )
+            outcome, status, key, limit, active, queued, max_queued, reason, holder = cursor.fetchone()
+        if outcome == "created":
+            record.status = status
+            return True
+        if outcome == "exists":
+            raise RunExists(record.run_id)
+        if outcome == "queue_full":
+            raise exceptions.ConcurrencyQueueFullError(
+                workflow=record.workflow, key=key, limit=limit, active=active, queued=queued, max_queued=max_queued
+            )
+        hint = ""
+        if reason == "lifetime":
+            hint = exceptions.LIFETIME_CAP_HINT
+        elif reason == "ancestor":
+            hint = exceptions.holding_ancestor_hint(holder)
+        raise exceptions.ConcurrencyLimitError(workflow=record.workflow, key=key, limit=limit, active=active, hint=hint)
+
     def run_exists(self, run_id: str) -> bool:
         """Whether a run has this id, once any start of it not yet committed has ended.
 
@@ -589,6 +653,40 @@ class DjangoStore(BaseStore):
     def set_rr_cursor(self, key: str, group: str) -> None:
         _models().ConcurrencyLock.objects.using(self.using).filter(key=key).update(rr_cursor=group)
 
+    def promote(
+        self, keys: Sequence[str] = (), *, run_id: str | None = None, count_namespace: str | None = None
+    ) -> list[RunRecord] | None:
+        """On PostgreSQL the hand-offs of ``admission.Promoter.promote`` in one call
+        of ``durable_promote`` (a second only when a lock out of key order was busy):
+        the runs it made pending, for the caller to send. None elsewhere.
+
+        Outside a transaction the call commits asynchronously: a hand-off lost in a
+        crash of the database leaves its run queued, for the sweeper to hand on."""
+        connection = self._postgres()
+        if connection is None:
+            return None
+        started: list[RunRecord] = []
+        lock_first: list[str] | None = None
+        for _ in range(_PROMOTE_CALLS):
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT durable_promote(%s::jsonb, %s, %s, %s::jsonb, %s, %s)",
+                    [
+                        json.dumps(list(keys)),
+                        run_id,
+                        count_namespace,
+                        _jsonb(lock_first),
+                        timezone.now(),
+                        not connection.in_atomic_block,  # its own transaction: commit without waiting for the disk
+                    ],
+                )
+                answer = _json(cursor.fetchone()[0])
+            started.extend(_run_record(row) for row in answer["started"])
+            lock_first = answer["retry"]
+            if lock_first is None:
+                break
+        return started
+
     def keys_with_queued(self) -> dict[str, list[str]]:
         rows = self._tags().filter(status=RunStatus.QUEUED, tag__startswith=TAG_PREFIX).values_list("namespace", "tag").distinct()
         found: dict[str, list[str]] = {}
@@ -624,6 +722,18 @@ class DjangoStore(BaseStore):
 
 
 _DATETIME_FIELDS = ("created_at", "updated_at", "started_at", "finished_at", "heartbeat_at", "dispatched_at", "wake_at")
+
+
+#: How many calls of ``durable_promote`` one promote makes at most (each further one
+#: takes first the locks the call before found busy out of key order).
+_PROMOTE_CALLS = 100
+
+
+def _run_record(row: dict[str, Any]) -> RunRecord:
+    """A run read back as ``jsonb`` (a row of ``durable_workflowrun`` with ``parent_run_id``)."""
+    for name in _DATETIME_FIELDS:
+        row[name] = _datetime(row[name])
+    return RunRecord(**{name: row[name] for name in _RECORD_FIELDS}, parent_run_id=row["parent_run_id"])
 
 
 def _jsonb(value: Any) -> str | None:

@@ -389,3 +389,39 @@ def test_tenant_and_global_keys_neither_deadlock_nor_exceed(tmp_path: Path, gaug
     # A queued run waits only while one of its keys is full.
     assert not stranded(limits)
     drain(limits)
+
+
+def test_concurrent_finishes_hand_off_on_several_keys_without_exceeding_or_stranding(tmp_path: Path, gauge: None) -> None:
+    """Many completers finish and cancel runs at once while starters queue more, on
+    tenant keys that share a global key: every release hands its slots on (one
+    durable_promote on PostgreSQL), concurrently with the others'. No key ever
+    holds more than its limit, and no queued run is left waiting while its keys
+    have room."""
+    tenant_limit, global_limit = 2, 4
+    run = uuid.uuid4().hex[:8]
+    tenants = [f"hammer:{run}:{i}" for i in range(3)]
+    shared = f"hammer-global:{run}"
+    limits = {shared: global_limit, **{t: tenant_limit for t in tenants}}
+    watch(*limits)
+    totals = race(
+        tmp_path,
+        starts_each=25,
+        keys=tenants,
+        limit=tenant_limit,
+        strategy=Strategy.GROUP_ROUND_ROBIN,
+        completers=6,
+        extra=["--global-key", shared, "--global-limit", str(global_limit), "--releases", "60"],
+    )
+    observed = gauges()
+    assert observed[shared]["hwm"] == global_limit, observed[shared]
+    for tenant in tenants:
+        assert observed[tenant]["hwm"] <= tenant_limit, observed[tenant]
+        assert observed[tenant]["cur"] == in_flight(tenant)
+    assert not totals["errors"]
+    assert_every_start_accounted_for(totals)
+    assert totals["executed"] + totals["cancelled"] > 60  # the completers really raced
+    order = promotions()
+    assert sum(len(ids) for ids in order.values()) > 30
+    assert_fifo_within_groups(order)
+    assert not stranded(limits)
+    drain(limits)

@@ -219,3 +219,54 @@ def test_threads_delivered_the_same_run_claim_it_once() -> None:
     record = handle.refresh().record
     assert (record.status, record.output, record.attempt) == ("completed", 7, 1)
     assert [s.name for s in engine.store.load_steps(handle.run_id)] == ["s"]
+
+
+def _grr(key: str, limit: int) -> Concurrency:
+    return Concurrency(key=key, limit=limit, strategy=Strategy.GROUP_ROUND_ROBIN)
+
+
+@pytest.mark.postgres
+def test_a_queued_start_committing_after_the_slot_freed_is_handed_that_slot() -> None:
+    """A start is queued on a full key in a transaction not yet committed; the slot's
+    holder finishes meanwhile, and its hand-off cannot see the queued run. The start
+    hands the slot on after its commit: the run does not wait for a sweep."""
+    key = f"late:{uuid.uuid4().hex}"
+    engine = _restart_engine(_grr(key, 1))
+    holder = engine.start("w", {})
+    with held_open(lambda: engine.start("w", {})) as starter:
+        engine.cancel(holder.run_id)  # its hand-off runs now, before the queued start commits
+        assert engine.count_runs(f"concurrency:{key}", ["pending", "queued"]) == 0
+    queued = starter.outcome()
+    assert queued.status == "queued"  # as the start decided it, under the lock
+    assert queued.refresh().status == "pending"
+
+
+@pytest.mark.postgres
+def test_a_hand_off_needing_a_busy_lock_out_of_key_order_takes_it_in_a_new_call() -> None:
+    """durable_promote holds key b (and c) after a first hand-off; the next queued run
+    also needs key a, which sorts before them and another transaction holds. Waiting
+    for it there could deadlock: the call ends (its first hand-off committed) and a
+    new call takes a, b and c in key order, waits for a, and hands the run its slot."""
+    run = uuid.uuid4().hex[:8]
+    a, b, c = f"{run}:a", f"{run}:b", f"{run}:c"
+    engine = _restart_engine(_grr(b, 2))
+    r1, r2 = engine.start("w", {}), engine.start("w", {})
+    q1 = engine.start("w", {}, concurrency=[_grr(b, 2), _grr(c, 5)])
+    q2 = engine.start("w", {}, concurrency=[_grr(a, 5), _grr(b, 2)])
+    assert [h.status for h in (r1, r2, q1, q2)] == ["pending", "pending", "queued", "queued"]
+    for holder in (r1, r2):  # free both slots of b without handing them on
+        assert engine.store.transition(holder.run_id, from_statuses=["pending"], to="completed")
+    # Serve q1's group (its other key, c) first: the groups after the cursor come first.
+    engine.store.set_rr_cursor(b, f"concurrency:{b}")
+
+    def lock_a() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1 FROM durable_concurrencylock WHERE key = %s FOR UPDATE", [a])
+
+    with held_open(lock_a):
+        promoter = started(lambda: engine.promoter.promote([b]))
+        wait_for_lock_waiters(1)
+        # The first call committed q1's hand-off; the second waits for a, holding nothing else.
+        assert q1.refresh().status == "pending" and q2.refresh().status == "queued"
+    assert promoter.outcome() == [q1.run_id, q2.run_id]
+    assert q2.refresh().status == "pending"

@@ -20,7 +20,11 @@ from durable.stores.base import RunExists, RunRecord
 
 SQL = Path(durable.__file__).resolve().parent / "sql"
 #: Each current copy in durable/sql/ and the functions its file defines.
-FUNCTIONS = {"admit": ["durable_admit"], "lifecycle": ["durable_claim", "durable_record_step", "durable_finish"]}
+FUNCTIONS = {
+    "admit": ["durable_admit"],
+    "lifecycle": ["durable_claim", "durable_record_step", "durable_finish"],
+    "queue": ["durable_admit_queued", "durable_promote"],
+}
 
 
 def newest_migration_sql(name: str = "admit") -> Path:

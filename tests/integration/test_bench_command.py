@@ -98,11 +98,17 @@ def test_group_round_robin_section_prints_rates_ratio_and_hand_offs() -> None:
     )
     assert statements is not None
     assert all(int(n) > 0 for n in statements["value"].split(" / "))
-    handoffs = row(lines, "e", "hand-offs (complete a run + Promoter.promote), 1 proc", r"[\d,]+ /s")
+    handoffs = row(lines, "e", "hand-offs (finish a run + the promote on commit), 1 proc", r"[\d,]+ /s")
     assert handoffs is not None
     # Exactness, not speed: every queued run was handed a slot.
     assert "40 hand-offs" in handoffs.string and "queued runs left 0 " in handoffs.string
-    assert [line.split()[:2] for line in targets(lines)] == [["INFO", "(e)"], ["INFO", "(e)"]]
+    assert row(lines, "e", "ratio hand-offs / REJECT starts, 1 proc", r"\d+\.\d\dx")
+    printed = targets(lines)
+    # Speed is judged against this run's REJECT starts (PASS or MISS); the statement counts are not speed.
+    assert [line.split()[1] for line in printed] == ["(e)"] * 5
+    assert all(line.split()[0] in ("PASS", "MISS") for line in printed[:3]), printed
+    assert [line.split()[0] for line in printed[3:]] == ["PASS", "PASS"], printed
+    assert "SQL statements of a queued GRR start" in printed[3] and "hand-off (finish + promote)" in printed[4]
     assert databases_left(scratch) == []
 
 

@@ -7,12 +7,13 @@ from datetime import timedelta
 
 import pytest
 from django.db import connection
+from django.test import TestCase
 from django.utils import timezone
 
-from durable import Concurrency, Engine, RunStatus
+from durable import Concurrency, Engine, RunStatus, Strategy
 from durable.models import RunTag
 from durable.runtime import Registry
-from durable.stores import StepEntry
+from durable.stores import RunRecord, StepEntry
 from tests.queries import one_step_run_statements
 
 pytestmark = pytest.mark.django_db
@@ -118,13 +119,14 @@ def test_finish_is_one_call(engine: Engine, django_assert_num_queries) -> None:
 
 #: A one-step run on PostgreSQL: durable_claim (with the journal), the step's check
 #: that the run is still this execution's, durable_record_step, durable_finish, and
-#: the read of the run's keys whose slots the finish freed.
+#: on its commit durable_promote, which hands on the slots the finish freed (it
+#: reads the run's keys itself).
 ONE_STEP_RUN = [
     "SELECT durable_claim(",
     'SELECT "durable_workflowrun"',
     "SELECT durable_record_step(",
     "SELECT durable_finish(",
-    'SELECT "durable_runtag"',
+    "SELECT durable_promote(",
 ]
 
 
@@ -135,3 +137,61 @@ def test_a_one_step_run_is_five_statements(engine: Engine) -> None:
     assert len(sql) == len(ONE_STEP_RUN), sql
     for start, statement in zip(ONE_STEP_RUN, sql, strict=True):
         assert statement.startswith(start), (start, statement)
+
+
+# -- GROUP_ROUND_ROBIN: a queued start and a hand-off (PostgreSQL) ------------------------------
+@pytest.fixture
+def grr_engine() -> Engine:
+    registry = Registry()
+    registry.register(
+        "g", "1", lambda ctx, input: None, Concurrency(key=lambda i: i["key"], limit=1, strategy=Strategy.GROUP_ROUND_ROBIN)
+    )
+    sent: list[RunRecord] = []
+    engine = Engine(dispatch=lambda engine, run: sent.append(run), registry=registry)
+    engine.sent = sent  # type: ignore[attr-defined]
+    return engine
+
+
+@pytest.mark.postgres
+def test_a_queued_start_is_two_calls(grr_engine: Engine, django_assert_num_queries) -> None:
+    first = grr_engine.start("g", {"key": "k"})
+    assert first.status == RunStatus.PENDING
+    # durable_admit_queued creates it queued; on commit durable_promote finds the key full.
+    with django_assert_num_queries(2) as captured, TestCase.captureOnCommitCallbacks(execute=True):
+        queued = grr_engine.start("g", {"key": "k"})
+    sql = [query["sql"] for query in captured.captured_queries]
+    assert sql[0].startswith("SELECT * FROM durable_admit_queued(") and sql[1].startswith("SELECT durable_promote("), sql
+    assert queued.status == RunStatus.QUEUED
+    assert set(RunTag.objects.filter(run__run_id=queued.run_id).values_list("status", flat=True)) == {"queued"}
+
+
+@pytest.mark.postgres
+def test_a_hand_off_is_a_finish_and_one_promote(grr_engine: Engine, django_assert_num_queries) -> None:
+    first = grr_engine.start("g", {"key": "k"})
+    queued = grr_engine.start("g", {"key": "k"})
+    claimed = grr_engine.store.claim_journal(first.run_id, lease="l", worker="w", stale_before=timezone.now())
+    assert claimed is not None
+    with django_assert_num_queries(2) as captured, TestCase.captureOnCommitCallbacks(execute=True):
+        grr_engine.executor.finish(claimed[0], "l", RunStatus.COMPLETED)
+    sql = [query["sql"] for query in captured.captured_queries]
+    assert sql[0].startswith("SELECT durable_finish(") and sql[1].startswith("SELECT durable_promote("), sql
+    assert grr_engine.get_run(queued.run_id).status == RunStatus.PENDING
+    # The run durable_promote started went to the dispatcher, as read back by it.
+    handed = grr_engine.sent[-1]  # type: ignore[attr-defined]
+    assert (handed.run_id, handed.status, handed.workflow, handed.generation) == (queued.run_id, "pending", "g", 0)
+    assert handed.dispatched_at is not None and handed.created_at is not None
+    assert set(RunTag.objects.filter(run__run_id=queued.run_id).values_list("status", flat=True)) == {"pending"}
+
+
+@pytest.mark.postgres
+def test_a_hand_off_inside_a_callers_transaction_leaves_its_commit_synchronous(grr_engine: Engine) -> None:
+    """durable_promote commits asynchronously only as a transaction of its own: inside
+    a caller's transaction (here the test's) it never changes how that one commits."""
+    first = grr_engine.start("g", {"key": "k"})
+    queued = grr_engine.start("g", {"key": "k"})
+    assert grr_engine.store.transition(first.run_id, from_statuses=["pending"], to="completed")
+    assert connection.in_atomic_block
+    assert grr_engine.promoter.promote(run_id=first.run_id) == [queued.run_id]
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW synchronous_commit")
+        assert cursor.fetchone()[0] == "on"
