@@ -14,9 +14,11 @@ Modules:
 - ``sections``: sections (a), (b), (c).
 - ``queueing``: sections (d) slot hand-off latency and (e) ``GROUP_ROUND_ROBIN`` admission.
 - ``dispatching``: section (f) dispatch to first step, against a bare Celery task.
-- ``celery_worker``: the real Celery worker subprocess of (d) and (f).
+- ``throughput``: section (g) one-step runs per second by one Celery worker, against procrastinate's worker.
+- ``celery_worker``: the real Celery worker subprocess of (d), (f) and (g).
 - ``handoff``: the workflow (d)'s worker runs (it imports the module).
 - ``firststep``: the ``DurableWorkflow`` dispatched in (a) and (f), and (f)'s bare task.
+- ``noop``: the one-step workflow of (g); ``procrastinate_app``: procrastinate's app and no-op job of (g).
 - ``broker``: the parent's view of the Redis broker (reach it, a queue's length, purge).
 - ``report``: the table and the targets block.
 - ``runner``: puts them together for ``__main__`` (``python -m bench``).

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-SECTIONS = ("a", "b", "c", "d", "e", "f", "h")
+SECTIONS = ("a", "b", "c", "d", "e", "f", "g", "h")
 
-#: Defaults of a full run (about 6-7 minutes on 2 cores) and of --quick.
+#: Defaults of a full run (about 10 minutes on 2 cores) and of --quick.
 FULL = {
     "seconds": 3.0,
     "rounds": 5,
@@ -31,6 +31,8 @@ FULL = {
     "handoffs": 300,
     "grr_rounds": 3,
     "first_steps": 200,
+    "g_runs": 2000,
+    "g_rounds": 3,
 }
 QUICK = {
     "seconds": 2.0,
@@ -41,8 +43,10 @@ QUICK = {
     "handoffs": 60,
     "grr_rounds": 1,
     "first_steps": 15,
+    "g_runs": 400,
+    "g_rounds": 1,
 }
-#: The broker of sections (a), (d) and (f) when neither --broker nor a Redis CELERY_BROKER_URL is given.
+#: The broker of sections (a), (d), (f) and (g) when neither --broker nor a Redis CELERY_BROKER_URL is given.
 DEFAULT_BROKER = "redis://127.0.0.1:6379/9"
 _REDIS = ("redis://", "rediss://")
 
@@ -58,7 +62,8 @@ DESCRIPTION = (
     "(c) start latency with a million finished runs; (d) slot hand-off latency with a real Celery worker "
     "on Redis (a run completes -> the next queued run of its key starts executing); (e) GROUP_ROUND_ROBIN "
     "admission: queued starts/s against REJECT starts/s, and hand-offs/s; (f) latency from Wf.dispatch to "
-    "the first step's body with a warm Celery worker, against a bare Celery task's; (h) the API's and "
+    "the first step's body with a warm Celery worker, against a bare Celery task's; (g) one-step runs "
+    "completed per second by one Celery worker process against procrastinate's worker; (h) the API's and "
     "the admin's lists with a big history against a small one."
 )
 
@@ -68,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="Shorter run (about a minute and a half); 100,000 rows in (c), 60 runs in (d), 1 round in (e).",
+        help="Shorter run (about two minutes and a half); 100,000 rows in (c), 60 runs in (d), 1 round in (e), 400 runs in (g).",
     )
     parser.add_argument("--only", default=",".join(SECTIONS), help="Sections to run, e.g. 'a,c' or 'd,e' (default: all).")
     parser.add_argument(
@@ -112,7 +117,7 @@ def parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--broker",
-        help=f"Redis URL of the broker of (a), (d) and (f) "
+        help=f"Redis URL of the broker of (a), (d), (f) and (g) "
         f"(default: CELERY_BROKER_URL if it is a Redis URL, else {DEFAULT_BROKER}).",
     )
     d.add_argument("--handoffs", type=int, help="Runs started; hand-offs = runs - keys (full 300, quick 60).")
@@ -136,9 +141,18 @@ def parser() -> argparse.ArgumentParser:
         "(f) dispatch to first step",
         "A warm Celery worker (threads pool, then prefork; each with a connection per task, then Django's pool) "
         "on Redis: from Wf.dispatch to its first step's body, against a bare Celery task that makes one committed "
-        "write, from apply_async to its body, interleaved; target: p50 <= 1.2x the bare task's.",
+        "write, from apply_async to that write committed, interleaved; target: p50 <= 1.2x the bare task's.",
     )
     f.add_argument("--first-steps", type=int, help="Samples of each kind per configuration (full 200, quick 15).")
+    g = parser.add_argument_group(
+        "(g) execution throughput",
+        "Runs of a one-step no-op workflow pre-loaded, then executed by one Celery worker process (threads pool, "
+        "concurrency 4; a connection per task, then Django's pool), against the same no-op job deferred to "
+        "procrastinate and run by its worker (concurrency 4), interleaved; timed from the first completion to the "
+        "last; target: >= 1.0x procrastinate's runs/s.",
+    )
+    g.add_argument("--g-runs", type=int, help="Runs (and jobs) per kind and round (full 2,000, quick 400).")
+    g.add_argument("--g-rounds", type=int, help="Rounds over the kinds (full 3, quick 1).")
 
     return parser
 
@@ -213,6 +227,8 @@ def _resolve(options: dict[str, Any]) -> dict[str, Any]:
         "queued_keys",
         "grr_rounds",
         "first_steps",
+        "g_runs",
+        "g_rounds",
     ):
         value = options.get(name) if options.get(name) is not None else values.get(name)
         if value is not None and int(value) < 1:

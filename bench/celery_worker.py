@@ -1,4 +1,4 @@
-"""A real Celery worker for section (d): a ``celery -A testproject worker`` subprocess.
+"""A real Celery worker for sections (d), (f) and (g): a ``celery -A testproject worker`` subprocess.
 
 It runs the test project (its settings read ``DATABASE_URL``, ``CELERY_BROKER_URL``
 and ``DURABLE_TASK_QUEUE``), points at the scratch database, consumes one queue of

@@ -7,7 +7,7 @@ import time
 
 from django.db import connection
 
-from bench import broker, dispatching, queueing, readside, sections, starters
+from bench import broker, dispatching, queueing, readside, sections, starters, throughput
 from bench.pool import WorkerPool
 from bench.report import Report
 from bench.scratch import scratch_databases
@@ -38,16 +38,17 @@ def run(opts: Options, progress: Progress) -> Report:
             f"machine: {os.cpu_count()} CPUs, load average {load:.1f} at the start (other work on the machine "
             "slows every section)"
         )
-        if "a" in opts.only:
-            for kind, install in (
-                ("procrastinate", lambda: starters.install_procrastinate(scratch.conninfo(main))),
-                ("dbos", lambda: starters.install_dbos(scratch.url(dbos_db))),
-            ):
-                progress(f"(a) setting up {kind}")
+        # procrastinate is a baseline of (a) and (g), DBOS of (a).
+        for kind, needed_by, install in (
+            ("procrastinate", "ag", lambda: starters.install_procrastinate(scratch.conninfo(main))),
+            ("dbos", "a", lambda: starters.install_dbos(scratch.url(dbos_db))),
+        ):
+            if set(needed_by) & set(opts.only):
+                progress(f"setting up {kind}")
                 reason = install()
                 if reason:
                     opts.unavailable[kind] = reason
-                    progress(f"(a) {kind} left out: {reason}")
+                    progress(f"{kind} left out: {reason}")
         config = {
             "aliases": {"default": main, **dict(zip(("c0", "c1"), copies, strict=False))},
             "conninfo": scratch.conninfo(main),
@@ -60,7 +61,12 @@ def run(opts: Options, progress: Progress) -> Report:
             t0 = time.perf_counter()
             queueing.section_d(opts, report, scratch, progress)
             progress(f"(d) done in {time.perf_counter() - t0:.0f} s")
-        pooled = [name for name in opts.only if name not in ("d", "h")]
+        if "g" in opts.only:
+            # No benchmark process: the workers are the processes that matter.
+            t0 = time.perf_counter()
+            throughput.section_g(opts, report, scratch, progress)
+            progress(f"(g) done in {time.perf_counter() - t0:.0f} s")
+        pooled = [name for name in opts.only if name not in ("d", "g", "h")]
         if pooled:
             size = max([max(opts.procs)] * bool({"a", "e"} & set(pooled)) + [opts.starters] * ("b" in pooled) + [1])
             progress(f"spawning {size} benchmark process(es)")
@@ -109,6 +115,8 @@ def _describe(opts: Options) -> str:
             f"(d) {opts.handoffs} runs on {opts.handoff_keys} key(s), Celery worker on {_sanitize(opts.broker)} "
             f"({opts.broker_source})"
         )
+    if "g" in opts.only:
+        parts.append(f"(g) {opts.g_runs:,} runs per kind, {opts.g_rounds} round(s), workers on {_sanitize(opts.broker)}")
     if "h" in opts.only:
         parts.append(f"(h) {readside.SMALL_RUNS:,} then {opts.finished_runs:,} runs, a key per {readside.RUNS_PER_KEY} runs")
     if "e" in opts.only:

@@ -65,6 +65,9 @@ class Options:
     grr_rounds: int = 3
     # (f)
     first_steps: int = 200
+    # (g)
+    g_runs: int = 2000
+    g_rounds: int = 3
     #: The queue the benchmark processes' Celery messages go to (durable's TASK_QUEUE there):
     #: nothing consumes it in (a); the Celery worker of (f) does.
     pool_queue: str = "durable-bench-pool"

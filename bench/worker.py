@@ -31,7 +31,8 @@ Commands (``cmd``):
 - ``firststep``: ``warm`` + ``samples`` rounds, each a ``FirstStep.dispatch`` and
   a ``probe_write.apply_async`` (in alternating order), each waited for until its
   body has run in the Celery worker of (f); reply, per kind, the microseconds from
-  the call to the body's start (``time.time()`` in both processes).
+  the call to the body's start (``time.time()`` in both processes), and from the
+  call to its return.
 - ``drain``: finish the runs in flight on ``keys`` one by one (each claimed first,
   untimed), each finish handing its freed slot to the next queued run
   (``Executor.released``'s promote) until none is left; reply the hand-offs made,
@@ -292,6 +293,7 @@ class _Worker:
             "baseline": f"SELECT started FROM {PROBE_TABLE} WHERE token = %s",
         }
         out: dict[str, list[int]] = {"dispatch": [], "baseline": []}
+        calls: dict[str, list[int]] = {"dispatch": [], "baseline": []}
         for i in range(warm + samples):
             for kind in ("dispatch", "baseline") if i % 2 == 0 else ("baseline", "dispatch"):
                 t0 = time.time()
@@ -301,6 +303,7 @@ class _Worker:
                     token = uuid.uuid4().hex
                     # To the queue durable sends runs to (the worker of (f) consumes it).
                     probe_write.apply_async(args=(token,), queue=durable_settings.TASK_QUEUE)
+                returned = time.time()
                 # The first sample also waits for the worker to come up.
                 deadline = time.monotonic() + (timeout * 4 if i == 0 else timeout)
                 while True:
@@ -314,7 +317,8 @@ class _Worker:
                     time.sleep(0.002)
                 if i >= warm:
                     out[kind].append(int((float(row[0]) - t0) * 1e6))
-        return {"latency_us": out}
+                    calls[kind].append(int((returned - t0) * 1e6))
+        return {"latency_us": out, "call_us": calls}
 
     # -- helpers -------------------------------------------------------------
     def _own(self, message: dict[str, Any]) -> list[str]:

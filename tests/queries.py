@@ -29,7 +29,7 @@ def one_step_workflow(ctx: Any, input: Any) -> Any:
 def one_step_run_statements(engine: Engine, name: str = "queries.one_step", using: str = "default") -> list[str]:
     """Start a run of a one-step workflow (registered as ``name`` on ``engine``'s
     registry if it is not yet) and return the statements of its execution: the
-    claim with the journal read, the step's check and journal write, the finish
+    claim with the journal read, the step's journal write, the finish
     and what follows it."""
     if name not in engine.registry.names():
         engine.register(name, "1", one_step_workflow)

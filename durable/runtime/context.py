@@ -55,6 +55,8 @@ class WorkflowContext:
         lease: str,
         journal: list[StepEntry],
         lost: threading.Event | None = None,
+        *,
+        claimed: bool = False,
     ) -> None:
         self.engine = engine
         self.run = run
@@ -63,6 +65,10 @@ class WorkflowContext:
         self._lost = lost
         self._journal = {step.position: step for step in journal}
         self._position = 0
+        #: The claim that read ``journal`` just proved the run this lease's: the
+        #: first step to run needs no read to prove it again (its journal write
+        #: checks the lease, as every write does). Spent by the first store call.
+        self._claimed = claimed
 
     @property
     def run_id(self) -> str:
@@ -179,6 +185,7 @@ class WorkflowContext:
         if recorded is not None and recorded.outcome == "failed":
             raise exceptions.SignalTimeout(recorded.error["message"], signal=name)
         self._check_lease()
+        self._claimed = False
         with _store_call():
             found, payload = self.engine.store.consume_signal(
                 self.run_id, self._lease, name, StepEntry(position, step_name, "completed")
@@ -311,6 +318,7 @@ class WorkflowContext:
 
     def _record(self, entry: StepEntry) -> None:
         self._check_lease()
+        self._claimed = False
         with _store_call():
             recorded = self.engine.store.record_step(self.run_id, self._lease, entry)
         if not recorded:
@@ -323,7 +331,12 @@ class WorkflowContext:
             raise exceptions.RunCancelled(self.run_id)
 
     def _ensure_running(self) -> None:
+        """Stop here unless the run is still this execution's: the heartbeat's verdict,
+        then a read of the run, except right after the claim (which proved it)."""
         self._check_lease()
+        if self._claimed:
+            self._claimed = False
+            return
         with _store_call():
             self.engine.ensure_running(self.run_id, self._lease)
 

@@ -92,10 +92,12 @@ class Executor:
             self.finish(record, lease, RunStatus.FAILED, error=describe_error(exc))
             return
         with self._heartbeat(run_id, lease) as lost:
+            claimed = True  # the first pass follows the claim, which just proved the lease
             while True:
                 journal = self.store.load_steps(run_id) if steps is None else steps
                 steps = None  # a replay reads the journal again
-                ctx = WorkflowContext(self.engine, record, lease, journal, lost)
+                ctx = WorkflowContext(self.engine, record, lease, journal, lost, claimed=claimed)
+                claimed = False
                 try:
                     output = definition.fn(ctx, record.input)
                     output = check_json(output, what=f"the output of workflow {record.workflow!r}")

@@ -98,6 +98,8 @@ def test_a_store_error_anywhere_in_an_execution_is_not_a_failure(queued: Engine,
 
     def body(ctx: Any, input: Any) -> Any:
         value = ctx.step("a", lambda: 1)
+        # Not the first step after the claim: it reads the run (get_run) before it runs.
+        ctx.step("b", lambda: 2)
         ctx.sleep(0 if input.get("woken") else 3600)
         return value
 

@@ -1,5 +1,5 @@
 -- durable_admit: the whole REJECT admission of a start in one round trip (PostgreSQL).
--- Installed by migration 0012 (0004 installed the first version, 0006 the second);
+-- Installed by migration 0011 (0004 installed the first version, 0006 the second);
 -- a change here needs a new file in durable/sql/migrations/ and a migration that runs it.
 --
 -- p_quotas: [{"key", "limit", "statuses": [...], "group"}], sorted by key.
