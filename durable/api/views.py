@@ -161,10 +161,12 @@ class QuotaListView(DurableAPIView):
     serializer_class = serializers.QuotaSerializer
     pagination_class = pagination.QuotaCursorPagination
 
+    def get_queryset(self) -> QuerySet[models.ConcurrencyLock]:
+        return quotas.visible_locks(self.engine.read_namespace)
+
     def get(self, request: Request) -> Response:
-        namespace = self.engine.read_namespace
-        page = self.paginate_queryset(quotas.visible_locks(namespace)) or []
-        infos = quotas.infos_for(page, namespace=namespace)
+        page = self.paginate_queryset(self.get_queryset()) or []
+        infos = quotas.infos_for(page, namespace=self.engine.read_namespace)
         return self.get_paginated_response(serializers.QuotaSerializer(infos, many=True).data)
 
 
@@ -219,8 +221,11 @@ class ScheduleListView(ScheduleMixin, DurableAPIView):
             return serializers.CreateScheduleSerializer
         return serializers.ScheduleSerializer
 
+    def get_queryset(self) -> QuerySet[models.Schedule]:
+        return schedules_of(self.engine)
+
     def get(self, request: Request) -> Response:
-        page = self.paginate_queryset(schedules_of(self.engine))
+        page = self.paginate_queryset(self.get_queryset())
         return self.get_paginated_response(serializers.ScheduleSerializer(page, many=True).data)
 
     def post(self, request: Request) -> Response:
