@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from django.conf import settings as django_settings
@@ -35,10 +36,12 @@ def check_sqlite_transaction_mode(app_configs: Any = None, **kwargs: Any) -> lis
 def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     errors: list[checks.CheckMessage] = []
     for name in conf.unknown_settings():
+        close = difflib.get_close_matches(str(name), sorted(conf.setting_names()), n=1)
         errors.append(
             checks.Error(
                 f"DURABLE[{name!r}] is not a durable setting.",
-                hint="See docs/reference/settings.md for the list of settings.",
+                hint=(f"Did you mean {close[0]!r}? " if close else "")
+                + 'The settings are listed on the "Settings" page of durable\'s reference documentation.',
                 id="durable.E001",
             )
         )
@@ -57,6 +60,61 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                 "REST_FRAMEWORK['EXCEPTION_HANDLER'] is not durable.api.exception_handler: "
                 "your own views that call dispatch() will answer 500 instead of 429 on a full quota.",
                 id="durable.I001",
+            )
+        )
+    return errors
+
+
+#: Content types that let a message run code when it is read (Celery's pickle and YAML's unsafe loader).
+_UNSAFE_CONTENT = {"pickle", "application/x-python-serialize", "yaml", "application/x-yaml"}
+
+
+@checks.register()
+def check_celery(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """What breaks durable at run time in the project's Celery app (``celery.current_app``)."""
+    from celery import current_app
+
+    from durable import tasks
+
+    app = current_app
+    registered = app.tasks  # finalizes the app: its tasks, annotations and beat schedule are set
+    conf = app.conf
+    errors: list[checks.CheckMessage] = []
+    accepted = {str(content).lower() for content in conf.accept_content or ()}
+    unsafe = sorted(accepted & _UNSAFE_CONTENT)
+    if unsafe or str(conf.task_serializer).lower() != "json":
+        errors.append(
+            checks.Warning(
+                f"The Celery app {app.main!r} serializes tasks with {conf.task_serializer!r} and accepts "
+                f"{sorted(accepted)}: a message in {', '.join(unsafe) or 'a format other than JSON'} can run code "
+                "when a worker reads it, and durable sends JSON only.",
+                hint="Set CELERY_TASK_SERIALIZER = 'json' and CELERY_ACCEPT_CONTENT = ['json'] "
+                "(and the result serializer likewise).",
+                id="durable.W002",
+            )
+        )
+    for name in (tasks.EXECUTE_TASK, tasks.WAKE_TASK, tasks.FIRE_SCHEDULE_TASK):
+        task = registered.get(name)
+        if task is not None and not (task.acks_late and task.reject_on_worker_lost):
+            errors.append(
+                checks.Warning(
+                    f"Celery task {name!r} is not acknowledged late (acks_late={task.acks_late!r}, "
+                    f"reject_on_worker_lost={task.reject_on_worker_lost!r}): a worker that dies while it runs loses "
+                    "its message, and the run waits for the sweeper instead of being delivered again at once.",
+                    hint="Remove the task_annotations (or task_acks_late / task_reject_on_worker_lost settings) "
+                    "that turn these off for durable's tasks.",
+                    id="durable.W003",
+                )
+            )
+    schedule = conf.beat_schedule or {}
+    if not any(isinstance(entry, dict) and entry.get("task") == tasks.SWEEP_TASK for entry in schedule.values()):
+        errors.append(
+            checks.Warning(
+                f"The Celery app {app.main!r} has no beat entry for {tasks.SWEEP_TASK!r}: runs whose worker died, "
+                "lost messages and due timers wait until something sweeps.",
+                hint="Merge durable.tasks.beat_schedule() into app.conf.beat_schedule and run celery beat "
+                "(or silence durable.W004 if a PeriodicTask of durable.sweep is kept in the database instead).",
+                id="durable.W004",
             )
         )
     return errors

@@ -73,6 +73,11 @@ _NAMES = frozenset(f.name for f in fields(Defaults))
 settings = _Settings()
 
 
+def setting_names() -> frozenset[str]:
+    """The names durable's ``DURABLE`` dictionary may hold."""
+    return _NAMES
+
+
 def unknown_settings() -> list[str]:
     """Keys of ``settings.DURABLE`` that durable does not know (see checks)."""
     user = getattr(django_settings, "DURABLE", {}) or {}

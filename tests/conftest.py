@@ -26,7 +26,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def celery_worker(django_db_setup: None, django_db_blocker) -> Iterator[object]:
     """A real Celery worker (thread pool) in this process, consuming the test broker."""
-    celery_app.control.purge()
+    # Only the test project's own queue (durable-test), never another project's "celery".
+    with celery_app.connection_for_write() as conn:
+        conn.default_channel.queue_purge(celery_app.conf.task_default_queue)
     with start_worker(
         celery_app,
         pool="threads",

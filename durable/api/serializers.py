@@ -10,6 +10,7 @@ from django.utils import timezone
 from rest_framework import serializers
 
 from durable import models, schedules
+from durable.api import idempotency
 from durable.status import ALL_STATUSES
 
 #: Deepest nesting of lists and objects accepted in a run's input.
@@ -110,6 +111,12 @@ class StartRunSerializer(serializers.Serializer):
             raise serializers.ValidationError(
                 f"Run ids starting with {schedules.RUN_ID_PREFIX!r} are reserved for the runs of schedules: "
                 "choose another run id, or leave run_id out to get a new one."
+            )
+        # Those of Idempotency-Key starts likewise: a body could take another tenant's key's run id.
+        if run_id is not None and run_id.startswith(idempotency.RUN_ID_PREFIX):
+            raise serializers.ValidationError(
+                f"Run ids starting with {idempotency.RUN_ID_PREFIX!r} are reserved for starts with an "
+                f"{idempotency.HEADER} header: send the header, or choose another run id."
             )
         return run_id
 

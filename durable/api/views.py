@@ -20,9 +20,10 @@ from rest_framework.response import Response
 from rest_framework.serializers import BaseSerializer
 
 from durable import exceptions, models, querysets, quotas, schedules
-from durable.api import errors, pagination, parsers, permissions, serializers, tenancy
+from durable.api import errors, idempotency, pagination, parsers, permissions, serializers, tenancy
 from durable.concurrency import MAX_KEY_LENGTH
 from durable.runtime.engine import MAX_RUN_ID_LENGTH, Engine, RunHandle
+from durable.util import check_json
 
 
 def runs(engine: Engine) -> querysets.RunQuerySet:
@@ -106,18 +107,37 @@ class RunListView(DurableAPIView):
         return self.get_paginated_response(serializers.RunSerializer(page, many=True).data)
 
     def post(self, request: Request) -> Response:
+        key = idempotency.key_of(request.headers)
         serializer = serializers.StartRunSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        handle = self.perform_start(serializer)
+        data = serializer.validated_data
+        if key is not None and data.get("run_id") is not None:
+            raise ValidationError(
+                {"run_id": [f"Give either run_id or the {idempotency.HEADER} header, not both."]}, code="invalid"
+            )
+        handle = self.perform_start(serializer, key)
         run = self.get_run(handle.run_id)
+        if key is not None and not handle.created:
+            idempotency.check_same_request(run, data["workflow"], check_json(data["input"], what="the workflow input"))
         code = status.HTTP_201_CREATED if handle.created else status.HTTP_200_OK
         return Response(serializers.RunSerializer(run).data, status=code)
 
-    def perform_start(self, serializer: serializers.StartRunSerializer) -> RunHandle:
+    def perform_start(self, serializer: serializers.StartRunSerializer, idempotency_key: str | None = None) -> RunHandle:
         # An explicit run id of another tenant's or another workflow's run raises
         # RunIdTaken (409): the engine never hands out a run the start did not mean.
         data = serializer.validated_data
-        return self.engine.start(data["workflow"], data["input"], run_id=data.get("run_id"))
+        run_id = data.get("run_id")
+        if idempotency_key is not None:
+            run_id = idempotency.run_id(self.engine.namespace, idempotency_key)
+        try:
+            return self.engine.start(data["workflow"], data["input"], run_id=run_id)
+        except exceptions.RunIdTaken:
+            if idempotency_key is None:
+                raise
+            # The key's run is another workflow's: a new request under an old key.
+            raise idempotency.IdempotencyKeyReused(
+                f"This {idempotency.HEADER} was first used to start a run of another workflow; send a new key for a new request."
+            ) from None
 
 
 class RunDetailView(DurableAPIView):
@@ -161,10 +181,12 @@ class QuotaListView(DurableAPIView):
     serializer_class = serializers.QuotaSerializer
     pagination_class = pagination.QuotaCursorPagination
 
+    def get_queryset(self) -> QuerySet[models.ConcurrencyLock]:
+        return quotas.visible_locks(self.engine.read_namespace)
+
     def get(self, request: Request) -> Response:
-        namespace = self.engine.read_namespace
-        page = self.paginate_queryset(quotas.visible_locks(namespace)) or []
-        infos = quotas.infos_for(page, namespace=namespace)
+        page = self.paginate_queryset(self.get_queryset()) or []
+        infos = quotas.infos_for(page, namespace=self.engine.read_namespace)
         return self.get_paginated_response(serializers.QuotaSerializer(infos, many=True).data)
 
 
@@ -219,8 +241,11 @@ class ScheduleListView(ScheduleMixin, DurableAPIView):
             return serializers.CreateScheduleSerializer
         return serializers.ScheduleSerializer
 
+    def get_queryset(self) -> QuerySet[models.Schedule]:
+        return schedules_of(self.engine)
+
     def get(self, request: Request) -> Response:
-        page = self.paginate_queryset(schedules_of(self.engine))
+        page = self.paginate_queryset(self.get_queryset())
         return self.get_paginated_response(serializers.ScheduleSerializer(page, many=True).data)
 
     def post(self, request: Request) -> Response:

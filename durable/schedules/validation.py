@@ -177,14 +177,15 @@ def _cron_problem(cron: str) -> str | None:
     if not croniter.is_valid(cron):
         return f"Invalid cron expression {cron!r}. {_CRON_HINT}"
     try:
+        windows.latest_tick(cron, UTC, django_timezone.now())
+    except CroniterError:
+        # Before beat's own parse, whose message for it differs between Celery releases.
+        return f"Invalid cron expression {cron!r}: it never fires. {_CRON_HINT}"
+    try:
         _beat_crontab(cron)
     except (ValueError, TypeError, IndexError) as exc:
         # croniter accepts extensions (L, #, 7 for Sunday) that beat's crontab does not.
         return f"Invalid cron expression {cron!r}: {exc} {_CRON_HINT}"
-    try:
-        windows.latest_tick(cron, UTC, django_timezone.now())
-    except CroniterError:
-        return f"Invalid cron expression {cron!r}: it never fires. {_CRON_HINT}"
     shortest = _shortest_gap(cron, min_interval())
     if shortest is not None:
         return (

@@ -16,3 +16,14 @@ class QueuedWorkflow(DurableWorkflow):
 
     def run(self, ctx: WorkflowContext, input: Any) -> Any:
         return input
+
+
+class OneAtATimeWorkflow(DurableWorkflow):
+    """One run in flight per ``input["key"]``; the next start is refused (429)."""
+
+    name = "api.one"
+    version = "1"
+    concurrency = Concurrency(key=lambda input: input["key"], limit=1)
+
+    def run(self, ctx: WorkflowContext, input: Any) -> Any:
+        return input

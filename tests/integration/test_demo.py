@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,3 +44,40 @@ def test_demo_accepts_8_refuses_4_then_accepts_again_and_skips_a_full_window(tmp
         and "skipped: concurrency key 'tenant:acme' is full (8 of 8 runs in flight), so no run was started." in out
     )
     assert "/admin/durable/schedule/" in out
+
+
+def test_a_taken_port_given_with_port_is_a_clear_error_without_traceback(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "CELERY_BROKER_URL"}}
+    env["SQLITE_PATH"] = str(tmp_path / "demo.sqlite3")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "manage.py", "demo", "--no-serve", "--port", str(port)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+    assert result.returncode == 1
+    assert f"Cannot serve on 127.0.0.1:{port}" in result.stderr and "--port" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_without_port_a_taken_default_port_falls_back_to_a_free_one(monkeypatch: Any) -> None:
+    from testproject.chat.management.commands import demo
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(demo, "DEFAULT_PORT", taken.getsockname()[1])
+        command = demo.Command(stdout=io.StringIO())
+        server = command._server(None)
+        try:
+            chosen = server.server_address[1]
+            assert chosen != taken.getsockname()[1]
+            assert f"serving on {chosen} (choose one with --port)" in command.stdout._out.getvalue()
+        finally:
+            server.server_close()

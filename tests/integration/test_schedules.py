@@ -68,7 +68,7 @@ def beat_rows() -> tuple[int, int, int, int]:
         ({"cron": "0 9 * * * *"}, "cron", "it has 6 fields, not 5"),
         ({"cron": "@daily"}, "cron", "it has 1 fields, not 5"),
         ({"cron": "0 9 L * *"}, "cron", "Invalid cron expression '0 9 L * *'"),
-        ({"cron": "0 0 30 2 *"}, "cron", "never occurs"),
+        ({"cron": "0 0 30 2 *"}, "cron", "never fires"),
         ({"cron": "0 9 * * *", "every": 60}, "cron", "not both"),
         ({"cron": "0 9 * * *", "every": 60}, "interval_seconds", "not both"),
         ({"every": None}, "cron", "needs one of them"),

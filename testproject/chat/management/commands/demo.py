@@ -4,8 +4,8 @@
 real (in-process) Celery worker; new starts are accepted again. Then a persisted
 schedule with a quota of its own on the same key (``tenant:acme``, limit 8) fires
 a window while the tenant is full: the window is skipped and written to the
-schedule's ``last_error``. Then the admin is served on 127.0.0.1:8000
-(``--no-serve`` skips that).
+schedule's ``last_error``. Then the admin is served on 127.0.0.1:8000, or on
+a free port when 8000 is taken and no ``--port`` was given (``--no-serve`` skips that).
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ SCHEDULE = "acme-digest"
 USERNAME = PASSWORD = "demo"
 
 
+DEFAULT_PORT = 8000
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -45,7 +48,12 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--no-serve", action="store_true", help="exit after the demo instead of serving the admin")
-        parser.add_argument("--port", type=int, default=8000)
+        parser.add_argument(
+            "--port",
+            type=int,
+            default=None,
+            help=f"port of the API and the admin (default {DEFAULT_PORT}, or a free one when {DEFAULT_PORT} is taken)",
+        )
         parser.add_argument("--turns", type=int, default=12, help="chat turns started at once (default 12)")
         parser.add_argument("--think", type=float, default=3.0, help="seconds each reply takes (default 3)")
 
@@ -54,7 +62,8 @@ class Command(BaseCommand):
         call_command("migrate", verbosity=0)
         token = self._demo_user()
         self._cancel_leftovers()
-        server = ThreadedWSGIServer(("127.0.0.1", options["port"]), _QuietHandler)
+        server = self._server(options["port"])
+        options["port"] = server.server_address[1]
         server.set_app(StaticFilesHandler(get_wsgi_application()))
         threading.Thread(target=server.serve_forever, name="demo-http", daemon=True).start()
         api = _Client(f"http://127.0.0.1:{options['port']}/durable/", token)
@@ -78,6 +87,17 @@ class Command(BaseCommand):
         finally:
             server.shutdown()
             server.server_close()
+
+    def _server(self, port: int | None) -> ThreadedWSGIServer:
+        """The demo's HTTP server on ``port``; without one, on 8000 or else any free port."""
+        try:
+            return ThreadedWSGIServer(("127.0.0.1", DEFAULT_PORT if port is None else port), _QuietHandler)
+        except OSError as exc:
+            if port is not None:
+                raise CommandError(f"Cannot serve on 127.0.0.1:{port} ({exc.strerror}); choose another with --port.") from exc
+        server = ThreadedWSGIServer(("127.0.0.1", 0), _QuietHandler)
+        self.stdout.write(f"Port {DEFAULT_PORT} is taken: serving on {server.server_address[1]} (choose one with --port).")
+        return server
 
     def _demo_user(self) -> str:
         User = get_user_model()
