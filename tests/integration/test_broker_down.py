@@ -121,6 +121,12 @@ def test_post_runs_is_201_with_a_pending_run_when_the_broker_is_down(
     assert models.WorkflowRun.objects.get(run_id=run_id).status == "pending"
     assert logged(caplog, run_id, "sweeper")
     resend_by_sweeper(settings, queue, run_id)
+    # The message the sweeper sent, executed as a worker executes it: the run
+    # completes, and it is the only run (the client got its 201, nothing to retry).
+    tasks.execute_run.apply(args=(run_id,), task_id=tasks.task_id(run_id, 0))
+    run = models.WorkflowRun.objects.get(run_id=run_id)
+    assert (run.status, run.output) == ("completed", {"total": 3})
+    assert models.WorkflowRun.objects.count() == 1
 
 
 def test_post_cancel_is_200_when_the_broker_is_down(
