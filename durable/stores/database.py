@@ -222,18 +222,7 @@ class DjangoStore(BaseStore):
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT * FROM durable_admit(%s::jsonb, %s, %s, %s, %s, %s, %s::jsonb, %s, %s, %s)",
-                [
-                    json.dumps(payload),
-                    count_namespace,
-                    record.run_id,
-                    record.workflow,
-                    record.version,
-                    record.namespace,
-                    json.dumps(record.input),
-                    record.parent_run_id,
-                    record.queue,
-                    run_id_given,
-                ],
+                [json.dumps(payload), *_start_params(record, count_namespace, run_id_given)],
             )
             outcome, key, limit, active, _ = cursor.fetchone()
         if outcome == "full":  # the function recorded the refused limits already
@@ -277,15 +266,7 @@ class DjangoStore(BaseStore):
                 "SELECT * FROM durable_admit_queued(%s::jsonb, %s, %s, %s, %s, %s, %s::jsonb, %s, %s, %s, %s::jsonb)",
                 [
                     json.dumps(payload),
-                    count_namespace,
-                    record.run_id,
-                    record.workflow,
-                    record.version,
-                    record.namespace,
-                    json.dumps(record.input),
-                    record.parent_run_id,
-                    record.queue,
-                    run_id_given,
+                    *_start_params(record, count_namespace, run_id_given),
                     json.dumps([{"run_id": a.run_id, "status": str(a.status)} for a in ancestors]),
                 ],
             )
@@ -734,6 +715,22 @@ def _run_record(row: dict[str, Any]) -> RunRecord:
     for name in _DATETIME_FIELDS:
         row[name] = _datetime(row[name])
     return RunRecord(**{name: row[name] for name in _RECORD_FIELDS}, parent_run_id=row["parent_run_id"])
+
+
+def _start_params(record: RunRecord, count_namespace: str | None, run_id_given: bool) -> list[Any]:
+    """The parameters ``durable_admit`` and ``durable_admit_queued`` share, after the quotas:
+    the namespace counted in, the run's columns, and whether the caller chose its id."""
+    return [
+        count_namespace,
+        record.run_id,
+        record.workflow,
+        record.version,
+        record.namespace,
+        json.dumps(record.input),
+        record.parent_run_id,
+        record.queue,
+        run_id_given,
+    ]
 
 
 def _jsonb(value: Any) -> str | None:
