@@ -135,6 +135,34 @@ def test_a_message_that_cannot_be_published_is_logged_and_the_run_stays_pending(
     assert _drain(queue) == []
 
 
+def test_the_session_is_kept_between_batches_and_set_up_again_after_a_failure(
+    queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    e = _engine()
+    first = e.start("test.add", add_input("s1")).run_id
+    assert tasks.publisher.flush(timeout=10)
+    session = tasks._sessions[celery_app]
+    second = e.start("test.add", add_input("s2")).run_id
+    assert tasks.publisher.flush(timeout=10)
+    assert tasks._sessions[celery_app] is session  # no new producer, client or pipeline per batch
+
+    failures: list[str] = []
+    flush = tasks._Session.flush
+
+    def fails_once(self: Any) -> None:
+        if not failures:
+            failures.append("the connection broke")
+            raise ConnectionError("the connection broke")
+        flush(self)
+
+    monkeypatch.setattr(tasks._Session, "flush", fails_once)
+    third = e.start("test.add", add_input("s3")).run_id
+    assert tasks.publisher.flush(timeout=10)
+    assert failures and tasks._sessions[celery_app] is not session
+    # The failed batch was given up whole and published once more by a new session: once each.
+    assert _ids(_drain(queue)) == sorted(tasks.task_id(run_id, 0) for run_id in (first, second, third))
+
+
 def test_many_threads_starting_at_once_each_get_exactly_one_message(queue: str) -> None:
     threads, per_thread = 8, 25
     barrier = threading.Barrier(threads)
