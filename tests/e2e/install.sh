@@ -15,10 +15,17 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 python=${1:?usage: install.sh PYTHON [REDIS_URL]}
 broker=${2:-redis://127.0.0.1:6379/14}
 work=$(mktemp -d)
+queue="e2e-$$"  # the Celery queue of this run only
 pids=()
 cleanup() {
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
+  # The messages left in this run's queue (runs the worker did not get to).
+  [ -x "$work/venv/bin/python" ] && "$work/venv/bin/python" -c "
+import sys, redis
+client = redis.Redis.from_url(sys.argv[1])
+for key in client.scan_iter(match='*' + sys.argv[2] + '*'):  # the queue and kombu's bindings of it
+    client.delete(key)" "$broker" "$queue" 2>/dev/null || true
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -50,16 +57,11 @@ cd "$work"
 "$venv/django-admin" startproject proj
 cd proj
 "$venv/python" manage.py startapp chat
-"$venv/python" "$root/tests/e2e/quickstart_project.py" "$root/docs/tutorial/quickstart.md" . "$broker"
+"$venv/python" "$root/tests/e2e/quickstart_project.py" "$root/docs/tutorial/quickstart.md" . "$broker" "$queue"
 export DJANGO_SETTINGS_MODULE=proj.settings
 "$venv/python" manage.py check --fail-level WARNING
 "$venv/python" manage.py migrate -v0
 DJANGO_SUPERUSER_PASSWORD=pw "$venv/python" manage.py createsuperuser --noinput --username alice --email alice@example.com
-"$venv/python" - "$broker" <<'EOF'
-import sys
-import redis
-redis.Redis.from_url(sys.argv[1]).flushdb()  # the test's own database: whatever an earlier run left
-EOF
 
 port=$("$venv/python" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 log "web server on $port, beat"

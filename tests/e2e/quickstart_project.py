@@ -1,7 +1,7 @@
 """Write the quickstart's files into a fresh project (``django-admin startproject proj``,
 then ``manage.py startapp chat``).
 
-Usage: ``python quickstart_project.py QUICKSTART_MD PROJECT_DIR BROKER_URL``
+Usage: ``python quickstart_project.py QUICKSTART_MD PROJECT_DIR BROKER_URL QUEUE``
 
 Every file comes from a code block of ``docs/tutorial/quickstart.md``, found by
 the path the text names just before it (``proj/celery.py``, ``chat/workflows.py``...),
@@ -13,7 +13,8 @@ What a reader fills in by hand is filled in the same way here, and only that:
   project's own) keeps the apps ``startproject`` listed;
 - the URL block's ``# ...`` stands for ``startproject``'s admin route;
 - ``chat/urls.py`` is included from ``proj/urls.py``, as the tutorial says;
-- the broker URL is the test's (a Redis database of its own, not the reader's 0).
+- the broker URL is the test's (a Redis database of its own, not the reader's 0), and
+  the Celery queue one of the run's own.
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ def block_after(markdown: str, *names: str) -> str:
     raise SystemExit(f"quickstart.md has no python block after a line naming {names}")
 
 
-def main(quickstart: Path, project: Path, broker: str) -> None:
+def main(quickstart: Path, project: Path, broker: str, queue: str) -> None:
     markdown = quickstart.read_text()
     settings_block = block_after(markdown, "proj/settings.py")
     settings_block = settings_block.replace("INSTALLED_APPS = [", "INSTALLED_APPS = [*INSTALLED_APPS,", 1)
     settings_block = re.sub(r'CELERY_BROKER_URL = "[^"]*"', f'CELERY_BROKER_URL = "{broker}"', settings_block)
+    # A queue of this run's own: two runs at once (two checkouts' tests) never take each other's messages.
+    settings_block += f'CELERY_TASK_DEFAULT_QUEUE = "{queue}"\n'
     with (project / "proj" / "settings.py").open("a") as settings:
         settings.write("\n# --- from docs/tutorial/quickstart.md ---\n" + settings_block)
 
@@ -62,4 +65,4 @@ def main(quickstart: Path, project: Path, broker: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3])
+    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4])
