@@ -498,6 +498,7 @@ _sessions: dict[Celery, _Session] = {}
 def _session(app: Celery) -> _Session:
     session = _sessions.get(app)
     if session is not None and not session.serves(app):
+        del _sessions[app]  # first: if setting up the next one fails, this one is never used again
         session.close()
         session = None
     if session is None:

@@ -163,6 +163,29 @@ def test_the_session_is_kept_between_batches_and_set_up_again_after_a_failure(
     assert _ids(_drain(queue)) == sorted(tasks.task_id(run_id, 0) for run_id in (first, second, third))
 
 
+def test_after_the_broker_was_unreachable_a_new_session_publishes(queue: str) -> None:
+    # The app's pool is replaced while the broker is down (a session cannot be set up),
+    # then put back: the session of before is closed and never used again.
+    from tests.integration.test_broker_down import DeadBroker
+
+    e = _engine()
+    before = e.start("test.add", add_input("u1")).run_id
+    assert tasks.publisher.flush(timeout=10)
+    session = tasks._sessions[celery_app]
+    dead = DeadBroker()
+    try:
+        lost = e.start("test.add", add_input("u2")).run_id  # logged; the sweeper would send it
+        assert tasks.publisher.flush(timeout=30)
+    finally:
+        dead.restore()
+    assert tasks._sessions.get(celery_app) is not session  # closed when the pool was replaced: never again
+    after = e.start("test.add", add_input("u3")).run_id
+    assert tasks.publisher.flush(timeout=10)
+    sent = _ids(_drain(queue))
+    assert sent == sorted(tasks.task_id(run_id, 0) for run_id in (before, after))
+    assert tasks.task_id(lost, 0) not in sent
+
+
 def test_many_threads_starting_at_once_each_get_exactly_one_message(queue: str) -> None:
     threads, per_thread = 8, 25
     barrier = threading.Barrier(threads)
