@@ -36,7 +36,12 @@ log() { echo "--- $*"; }
 line=$(grep -m1 -E '^pip install .*django-durable-workflows' "$root/README.md")
 [ -n "$line" ] || { echo "README.md has no 'pip install ...django-durable-workflows...' line" >&2; exit 1; }
 
-if ! "$python" -m pip download --no-deps --dest "$work/probe" -q six >/dev/null 2>&1; then
+reachable=""
+for _ in 1 2 3; do  # three tries: one failed lookup is no reason to skip
+  if "$python" -m pip download --no-deps --dest "$work/probe" -q six >/dev/null 2>&1; then reachable=1; break; fi
+  sleep 5
+done
+if [ -z "$reachable" ]; then
   echo "no package index can be reached: skipped"
   exit 77
 fi
