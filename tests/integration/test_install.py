@@ -20,15 +20,19 @@ pytestmark = pytest.mark.install
 
 
 def interpreter(version: str) -> str | None:
-    """A Python ``version`` of this machine: the running one, on PATH, or pyenv's."""
+    """A Python ``version`` of this machine that runs: the running one, pyenv's, or one on PATH
+    (a pyenv shim on PATH answers "command not found" for a version that is not selected)."""
     if f"{sys.version_info.major}.{sys.version_info.minor}" == version:
         return sys.executable
-    found = shutil.which(f"python{version}")
-    if found:
-        return found
     pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
     candidates = sorted(pyenv.glob(f"{version}.*/bin/python{version}")) if pyenv.is_dir() else []
-    return str(candidates[-1]) if candidates else None
+    found = shutil.which(f"python{version}")
+    for python in [*map(str, reversed(candidates)), *([found] if found else [])]:
+        probe = [python, "-c", "import sys; print(*sys.version_info[:2], sep='.')"]
+        check = subprocess.run(probe, capture_output=True, text=True)
+        if check.returncode == 0 and check.stdout.strip() == version:
+            return python
+    return None
 
 
 @pytest.mark.parametrize(("version", "django"), [("3.11", "5.2"), ("3.12", "6.0")])
