@@ -21,21 +21,16 @@ rate = (runs - 1) / that span. Kinds alternate in order from round to round.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import psycopg
 
 from bench import broker
 from bench import report as _report
-from bench.celery_worker import ROOT, CeleryWorker
+from bench.celery_worker import CeleryWorker, WorkerProcess
 from bench.pool import WorkerError
 from bench.queueing import WORKER_DATABASES
 from bench.report import Report
@@ -170,24 +165,18 @@ def _wait(
             time.sleep(0.05)
 
 
-class _ProcrastinateWorker:
+class _ProcrastinateWorker(WorkerProcess):
     """``procrastinate worker`` in a process of its own, on one queue; stopped like the Celery worker."""
 
-    def __init__(self, conninfo: str, queue: str, stop_timeout: float = 20.0) -> None:
-        self.conninfo, self.queue, self.stop_timeout = conninfo, queue, stop_timeout
-        self.proc: subprocess.Popen[bytes] | None = None
-        fd, log = tempfile.mkstemp(prefix="durable-bench-procrastinate-", suffix=".log")
-        os.close(fd)
-        self.log = Path(log)
+    name = "procrastinate worker"
 
-    def __enter__(self) -> _ProcrastinateWorker:
-        path = os.environ.get("PYTHONPATH")
-        env = {
-            **os.environ,
-            "DURABLE_BENCH_CONNINFO": self.conninfo,
-            "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else ""),
-        }
-        command = [
+    def __init__(self, conninfo: str, queue: str, stop_timeout: float = 20.0) -> None:
+        super().__init__(stop_timeout=stop_timeout)
+        self.conninfo, self.queue = conninfo, queue
+
+    @property
+    def command(self) -> list[str]:
+        return [
             sys.executable,
             "-m",
             "procrastinate",
@@ -197,35 +186,9 @@ class _ProcrastinateWorker:
             f"--queues={self.queue}",
             f"--concurrency={CONCURRENCY}",
         ]
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=self.stop_timeout)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(timeout=10)
-            except ProcessLookupError:
-                proc.wait(timeout=10)
-        if exc is None:
-            self.log.unlink(missing_ok=True)
-
-    def check(self) -> None:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise WorkerError(f"the procrastinate worker exited with code {self.proc.returncode}:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log.read_text(errors="replace").splitlines()
-        except OSError:
-            return "(no log)"
-        return "\n".join(text[-lines:]) + f"\n(log: {self.log})"
+    def extra_env(self) -> dict[str, str]:
+        return {"DURABLE_BENCH_CONNINFO": self.conninfo}
 
 
 def _report_g(report: Report, opts: Options, rates: dict[str, dict[int, float]]) -> None:
