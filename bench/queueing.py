@@ -350,7 +350,7 @@ def _report_e(
         "already at its limit, so each start is queued (on PostgreSQL durable_admit_queued, then durable_promote on "
         "commit in case a slot freed meanwhile); REJECT: the no-op workflow of (a) on fresh keys of limit "
         f"{starters.RATE_LIMIT} (durable_admit, one round trip). Both with a no-op dispatch. Hand-offs: each run in "
-        "flight is claimed (untimed), then finished as a worker finishes it (Executor.finish: durable_finish, then "
+        "flight is claimed (untimed), then finished as a worker finishes it (Executor.finish: durable_end, then "
         "Executor.released's durable_promote on commit, which reads the run's keys itself), until the queue is "
         "empty; the rate is hand-offs over the time those finishes took."
     )
@@ -441,6 +441,7 @@ def _statement_counts(report: Report) -> dict[str, int]:
         f"{len(rejected)} / {len(queued)} / {len(handed)} / {len(executed)}",
         "BEGIN..COMMIT included; queued start: durable_admit_queued + the promote on commit (targets <= 3); "
         "hand-off: a running run's finish + Executor.released's promote on commit (target <= 3); one-step run: "
-        "Engine.execute of a pending run (claim + journal read, step write, finish, promote)",
+        "Engine.execute of a pending run with a quota key (claim + journal read, step write, finish, promote; a run "
+        "without a key skips the promote: 3)",
     )
     return {"reject": len(rejected), "queued": len(queued), "handoff": len(handed), "execute": len(executed)}

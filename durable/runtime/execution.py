@@ -25,7 +25,7 @@ from durable.concurrency import Quota
 from durable.conf import settings
 from durable.runtime.context import WorkflowContext
 from durable.status import RunStatus
-from durable.stores.base import BaseStore, RunRecord, StepEntry, redispatch_cutoffs
+from durable.stores.base import BaseStore, Finished, RunRecord, StepEntry, redispatch_cutoffs
 from durable.util import check_json, describe_error
 
 if TYPE_CHECKING:
@@ -178,8 +178,10 @@ class Executor:
         return record is not None and record.status == RunStatus.RUNNING and record.lease == lease
 
     def finish(self, run: RunRecord, lease: str, status: str, *, output: Any = None, error: Any = None) -> None:
-        if self.store.finish(run.run_id, lease, status=status, output=output, error=error):
-            self._after(run, self.ended)
+        finished = self.store.finish(run.run_id, lease, status=status, output=output, error=error)
+        if finished:
+            held_keys = not isinstance(finished, Finished) or finished.held_keys
+            self._after(run, lambda run: self.ended(run, held_keys=held_keys))
 
     @staticmethod
     def _after(run: RunRecord, hook: Callable[[RunRecord], None]) -> None:
@@ -190,13 +192,15 @@ class Executor:
         except Exception:
             logger.warning("Run %s: a follow-up of its state change failed; the sweeper covers it.", run.run_id, exc_info=True)
 
-    def ended(self, run: RunRecord) -> None:
-        """A run reached a terminal status: free its slots, wake a parent waiting for it.
+    def ended(self, run: RunRecord, *, held_keys: bool = True) -> None:
+        """A run reached a terminal status: free its slots (unless the store said it
+        held no quota key), wake a parent waiting for it.
 
         Both happen after commit, outside any admission this end is part of (a
         CANCEL_IN_PROGRESS victim), so no keys are locked out of order.
         """
-        self.released(run)
+        if held_keys:
+            self.released(run)
         if run.parent_run_id:
             parent_id, waiting_for = run.parent_run_id, f"child:{run.run_id}"
             self.store.on_commit(lambda: self._wake_parent(parent_id, waiting_for))

@@ -1,9 +1,10 @@
--- durable_claim, durable_record_step, durable_finish: each state change of an
--- execution in one round trip (PostgreSQL). Installed by migration 0008; a
--- change here needs a new file in durable/sql/migrations/ and a migration that
--- runs it. Each is the compare-and-set of the DjangoStore method of the same
--- name on other databases; times come from the caller (p_now), as the ORM
--- path takes them from the application's clock.
+-- durable_claim, durable_record_step, durable_end (and durable_finish): each
+-- state change of an execution in one round trip (PostgreSQL). Installed by
+-- migration 0008, durable_end added by 0016; a change here needs a new file in
+-- durable/sql/migrations/ and a migration that runs it. Each is the
+-- compare-and-set of the DjangoStore method of the same name on other databases;
+-- times come from the caller (p_now), as the ORM path takes them from the
+-- application's clock.
 
 -- durable_claim: take a pending or blocked run (or a running one whose heartbeat
 -- is older than p_stale_before) for p_lease, mirror 'running' on its tags, and
@@ -105,5 +106,38 @@ BEGIN
     END IF;
     UPDATE durable_runtag t SET status = p_status WHERE t.run_id = v_pk;
     RETURN true;
+END;
+$$;
+
+-- durable_end: durable_finish that also says whether a promote must follow. NULL
+-- when the run no longer belongs to p_lease, else the number of the run's quota
+-- keys (its tags named 'concurrency:...'): 0 means no slot was freed, so the
+-- caller skips the hand-off. durable_finish stays for workers of the previous
+-- release while a deploy rolls.
+CREATE OR REPLACE FUNCTION durable_end(
+    p_run_id text,
+    p_lease text,
+    p_status text,
+    p_output jsonb,
+    p_error jsonb,
+    p_now timestamp with time zone
+) RETURNS integer
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_pk bigint;
+    v_keys integer;
+BEGIN
+    UPDATE durable_workflowrun r
+       SET status = p_status, updated_at = p_now, output = p_output, error = p_error, lease = '', finished_at = p_now
+     WHERE r.run_id = p_run_id AND r.status = 'running' AND r.lease = p_lease
+    RETURNING r.id INTO v_pk;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    WITH moved AS (
+        UPDATE durable_runtag t SET status = p_status WHERE t.run_id = v_pk RETURNING t.tag
+    )
+    SELECT count(*) FILTER (WHERE left(moved.tag, 12) = 'concurrency:') INTO v_keys FROM moved;
+    RETURN v_keys;
 END;
 $$;

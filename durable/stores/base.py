@@ -20,6 +20,18 @@ from typing import Any
 from durable.concurrency import Quota
 
 
+@dataclass(frozen=True)
+class Finished:
+    """What ``BaseStore.finish`` may answer for a run it ended, instead of ``True``:
+    ``held_keys=False`` says the run held no quota key, so its end frees no slot and
+    no hand-off to queued runs follows. A plain ``True`` means it may have held some."""
+
+    held_keys: bool = True
+
+    def __bool__(self) -> bool:
+        return True
+
+
 class RunExists(Exception):
     """Raised by ``create_run`` (or when leaving ``admission``) for a run id taken already."""
 
@@ -175,7 +187,9 @@ class BaseStore:
     def heartbeat(self, run_id: str, lease: str) -> bool:
         raise NotImplementedError
 
-    def finish(self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None) -> bool:
+    def finish(self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None) -> bool | Finished:
+        """Compare-and-set a run running under ``lease`` to the terminal ``status``;
+        falsy when it no longer belongs to ``lease``, else ``True`` or a ``Finished``."""
         raise NotImplementedError
 
     def retry(self, run_id: str, *, from_statuses: Sequence[str], tags: Sequence[str]) -> bool:

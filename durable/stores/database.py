@@ -20,7 +20,7 @@ from django.utils import timezone
 from durable import exceptions
 from durable.concurrency import TAG_PREFIX, Quota
 from durable.status import TERMINAL_STATUSES, RunStatus
-from durable.stores.base import BaseStore, RunExists, RunRecord, StepEntry, group_keys
+from durable.stores.base import BaseStore, Finished, RunExists, RunRecord, StepEntry, group_keys
 
 if TYPE_CHECKING:
     from durable.models import WorkflowRun
@@ -424,16 +424,17 @@ class DjangoStore(BaseStore):
         return bool(self._runs().filter(run_id=run_id, status=RunStatus.RUNNING, lease=lease).update(heartbeat_at=timezone.now()))
 
     @_reconnecting
-    def finish(self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None) -> bool:
-        """On PostgreSQL one call of ``durable_finish``."""
+    def finish(self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None) -> bool | Finished:
+        """On PostgreSQL one call of ``durable_end``, which also counts the run's quota keys."""
         connection = self._postgres()
         if connection is not None:
             with connection.cursor() as cursor:
                 cursor.execute(
-                    "SELECT durable_finish(%s, %s, %s, %s::jsonb, %s::jsonb, %s)",
+                    "SELECT durable_end(%s, %s, %s, %s::jsonb, %s::jsonb, %s)",
                     [run_id, lease, status, _jsonb(output), _jsonb(error), timezone.now()],
                 )
-                return bool(cursor.fetchone()[0])
+                keys = cursor.fetchone()[0]
+            return False if keys is None else Finished(held_keys=keys > 0)
         qs = self._runs().filter(run_id=run_id, status=RunStatus.RUNNING, lease=lease)
         return self._set_status(qs, status, output=output, error=error, lease="", finished_at=timezone.now())
 

@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from durable.concurrency import TAG_PREFIX, Quota
 from durable.status import TERMINAL_STATUSES, RunStatus
-from durable.stores.base import BaseStore, RunExists, RunRecord, StepEntry, group_keys
+from durable.stores.base import BaseStore, Finished, RunExists, RunRecord, StepEntry, group_keys
 
 
 class InMemoryStore(BaseStore):
@@ -158,8 +158,8 @@ class InMemoryStore(BaseStore):
     def heartbeat(self, run_id: str, lease: str) -> bool:
         return self._update(run_id, self._owned(lease), heartbeat_at=timezone.now())
 
-    def finish(self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None) -> bool:
-        return self._update(
+    def finish(self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None) -> bool | Finished:
+        ended = self._update(
             run_id,
             self._owned(lease),
             status=status,
@@ -168,6 +168,7 @@ class InMemoryStore(BaseStore):
             lease="",
             finished_at=timezone.now(),
         )
+        return ended and Finished(held_keys=bool(self.run_keys(run_id)))
 
     def retry(self, run_id: str, *, from_statuses: Sequence[str], tags: Sequence[str]) -> bool:
         with self._lock:

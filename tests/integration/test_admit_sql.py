@@ -22,7 +22,7 @@ SQL = Path(durable.__file__).resolve().parent / "sql"
 #: Each current copy in durable/sql/ and the functions its file defines.
 FUNCTIONS = {
     "admit": ["durable_admit"],
-    "lifecycle": ["durable_claim", "durable_record_step", "durable_finish"],
+    "lifecycle": ["durable_claim", "durable_record_step", "durable_finish", "durable_end"],
     "queue": ["durable_admit_queued", "durable_promote"],
 }
 

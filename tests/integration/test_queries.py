@@ -14,7 +14,7 @@ from durable import Concurrency, Engine, RunStatus, Strategy
 from durable.models import RunTag
 from durable.runtime import Registry
 from durable.stores import RunRecord, StepEntry
-from tests.queries import one_step_run_statements
+from tests.queries import one_step_run_statements, one_step_workflow
 
 pytestmark = pytest.mark.django_db
 
@@ -111,7 +111,7 @@ def test_finish_is_one_call(engine: Engine, django_assert_num_queries) -> None:
     handle = engine.start("w", {"key": "tenant:a"})
     assert engine.store.claim_journal(handle.run_id, lease="l", worker="w", stale_before=timezone.now())
     with django_assert_num_queries(1):
-        assert engine.store.finish(handle.run_id, "other", status=RunStatus.COMPLETED) is False
+        assert not engine.store.finish(handle.run_id, "other", status=RunStatus.COMPLETED)
     with django_assert_num_queries(1):
         assert engine.store.finish(handle.run_id, "l", status=RunStatus.COMPLETED, output={"x": 1})
     assert set(RunTag.objects.filter(run__run_id=handle.run_id).values_list("status", flat=True)) == {"completed"}
@@ -119,22 +119,31 @@ def test_finish_is_one_call(engine: Engine, django_assert_num_queries) -> None:
 
 #: A one-step run on PostgreSQL: durable_claim (with the journal; it proves the run
 #: this execution's, so the first step reads nothing before it runs),
-#: durable_record_step, durable_finish, and on its commit durable_promote, which
-#: hands on the slots the finish freed (it reads the run's keys itself).
+#: durable_record_step and durable_end. A run without a quota key stops there; one
+#: with keys has, on the finish's commit, durable_promote hand on the slots it freed
+#: (it reads the run's keys itself).
 ONE_STEP_RUN = [
     "SELECT durable_claim(",
     "SELECT durable_record_step(",
-    "SELECT durable_finish(",
-    "SELECT durable_promote(",
+    "SELECT durable_end(",
 ]
 
 
 @pytest.mark.postgres
-def test_a_one_step_run_is_four_statements(engine: Engine) -> None:
+def test_a_one_step_run_is_three_statements(engine: Engine) -> None:
     sql = one_step_run_statements(engine)
     print(f"a one-step run executes {len(sql)} SQL statements")
     assert len(sql) == len(ONE_STEP_RUN), sql
     for start, statement in zip(ONE_STEP_RUN, sql, strict=True):
+        assert statement.startswith(start), (start, statement)
+
+
+@pytest.mark.postgres
+def test_a_one_step_run_with_a_quota_key_promotes_after_its_finish(engine: Engine) -> None:
+    engine.register("queries.keyed", "1", one_step_workflow, Concurrency(key=lambda i: "k", limit=2))
+    sql = one_step_run_statements(engine, "queries.keyed")
+    assert len(sql) == len(ONE_STEP_RUN) + 1, sql
+    for start, statement in zip([*ONE_STEP_RUN, "SELECT durable_promote("], sql, strict=True):
         assert statement.startswith(start), (start, statement)
 
 
@@ -173,7 +182,7 @@ def test_a_hand_off_is_a_finish_and_one_promote(grr_engine: Engine, django_asser
     with django_assert_num_queries(2) as captured, TestCase.captureOnCommitCallbacks(execute=True):
         grr_engine.executor.finish(claimed[0], "l", RunStatus.COMPLETED)
     sql = [query["sql"] for query in captured.captured_queries]
-    assert sql[0].startswith("SELECT durable_finish(") and sql[1].startswith("SELECT durable_promote("), sql
+    assert sql[0].startswith("SELECT durable_end(") and sql[1].startswith("SELECT durable_promote("), sql
     assert grr_engine.get_run(queued.run_id).status == RunStatus.PENDING
     # The run durable_promote started went to the dispatcher, as read back by it.
     handed = grr_engine.sent[-1]  # type: ignore[attr-defined]

@@ -95,7 +95,7 @@ def test_a_claim_with_its_journal_reads_what_get_run_and_load_steps_read(queued:
     failed = StepEntry(1, "b", "failed", error={"type": "E"}, attempts=2, started_at=started)
     assert store.record_step(handle.run_id, "dead", failed)
     assert not store.record_step(handle.run_id, "other", StepEntry(2, "c", "completed"))  # not its lease: nothing written
-    assert store.finish(handle.run_id, "other", status=RunStatus.COMPLETED) is False
+    assert not store.finish(handle.run_id, "other", status=RunStatus.COMPLETED)
     claimed = store.claim_journal(handle.run_id, lease="new", worker="w2", stale_before=timezone.now() + timedelta(hours=1))
     assert claimed is not None
     record, steps = claimed

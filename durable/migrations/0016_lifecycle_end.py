@@ -1,0 +1,30 @@
+"""``durable_end``: the finish of an execution (``durable_finish``) that also
+answers how many quota keys the run held, so a run without any skips the
+hand-off call that would find nothing to hand on (a one-step run is then three
+round trips, not four). ``durable_finish`` is kept unchanged for workers of the
+previous release while a deploy rolls.
+
+Runs ``sql/migrations/0016_lifecycle.sql``; reversing drops ``durable_end``.
+"""
+
+from pathlib import Path
+
+from django.db import migrations
+
+SQL = (Path(__file__).resolve().parent.parent / "sql" / "migrations" / "0016_lifecycle.sql").read_text()
+
+
+def create(apps, schema_editor):
+    if schema_editor.connection.vendor == "postgresql":
+        schema_editor.execute(SQL)
+
+
+def drop(apps, schema_editor):
+    if schema_editor.connection.vendor == "postgresql":
+        schema_editor.execute("DROP FUNCTION IF EXISTS durable_end(text, text, text, jsonb, jsonb, timestamptz)")
+
+
+class Migration(migrations.Migration):
+    dependencies = [("durable", "0011_admit_refusal")]
+
+    operations = [migrations.RunPython(create, drop, elidable=False)]
