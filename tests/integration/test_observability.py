@@ -107,3 +107,27 @@ def test_the_celery_task_of_a_failed_run_succeeds_and_the_failure_is_logged(capl
     [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert record.name == "durable.runtime.execution" and handle.run_id in record.getMessage()
     assert record.exc_info is not None and record.exc_info[0].__name__ == "FatalError"
+
+
+@pytest.mark.django_db
+def test_the_admin_and_the_api_show_a_failed_runs_traceback(admin_client: Any, admin_user: Any) -> None:
+    from django.urls import reverse
+    from rest_framework.test import APIClient
+
+    from durable import models
+
+    handle = default_engine.start("test.fatal")
+    durable_tasks.execute_run.apply(args=(handle.run_id,))
+    traceback = handle.refresh().error["traceback"]
+
+    pk = models.WorkflowRun.objects.get(run_id=handle.run_id).pk
+    page = admin_client.get(reverse("admin:durable_workflowrun_change", args=[pk]))
+    assert page.status_code == 200
+    content = page.content.decode()
+    assert "Traceback (most recent call last):" in content and "no retry for this" in content
+
+    api = APIClient()
+    api.force_authenticate(admin_user)
+    detail = api.get(f"/durable/runs/{handle.run_id}/")
+    assert detail.status_code == 200, detail.content
+    assert detail.json()["error"]["traceback"] == traceback
