@@ -125,3 +125,19 @@ def test_the_app_config_connects_the_receivers() -> None:
     finally:
         metrics.disconnect()
     assert not signals.run_finished.has_listeners()
+
+
+def test_the_app_without_prometheus_client_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from django.core.exceptions import ImproperlyConfigured
+
+    from durable.contrib.prometheus import apps as prometheus_apps
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import prometheus_client raises ImportError
+    monkeypatch.delitem(sys.modules, "durable.contrib.prometheus.metrics", raising=False)
+    monkeypatch.delattr(importlib.import_module("durable.contrib.prometheus"), "metrics", raising=False)
+    config = prometheus_apps.PrometheusConfig("durable.contrib.prometheus", importlib.import_module("durable.contrib.prometheus"))
+    with pytest.raises(ImproperlyConfigured, match=r"pip install 'django-durable-workflows\[prometheus\]'"):
+        config.ready()
+    assert not signals.run_finished.has_listeners()

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from django.apps import AppConfig
+from django.core.exceptions import ImproperlyConfigured
 
 
 class PrometheusConfig(AppConfig):
@@ -11,6 +12,13 @@ class PrometheusConfig(AppConfig):
     verbose_name = "durable: Prometheus metrics"
 
     def ready(self) -> None:
-        from durable.contrib.prometheus import metrics
-
+        try:
+            from durable.contrib.prometheus import metrics
+        except ImportError as exc:
+            if exc.name != "prometheus_client" and "prometheus_client" not in str(exc):
+                raise
+            raise ImproperlyConfigured(
+                "durable.contrib.prometheus needs prometheus_client: "
+                "pip install 'django-durable-workflows[prometheus]', or remove the app from INSTALLED_APPS."
+            ) from exc
         metrics.connect()
