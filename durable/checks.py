@@ -53,6 +53,16 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                 id="durable.E002",
             )
         )
+    for name in ("TRACEBACK_LIMIT", "PROMETHEUS_ACTIVE_RUNS_KEYS"):
+        value = getattr(conf.settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            errors.append(
+                checks.Error(
+                    f"DURABLE[{name!r}] must be a whole number, 0 or more; it is {value!r}.",
+                    hint="0 turns it off; see the Settings page of durable's reference documentation.",
+                    id="durable.E003",
+                )
+            )
     handler = getattr(django_settings, "REST_FRAMEWORK", {}).get("EXCEPTION_HANDLER")
     if handler is not None and "durable" not in str(handler):
         errors.append(

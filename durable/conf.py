@@ -56,6 +56,13 @@ class Defaults:
     #: (``every``) below it is refused, and so is a cron expression with two
     #: ticks closer than it. 60 is cron's own finest step (every minute).
     SCHEDULE_MIN_INTERVAL: int = 60
+    #: Most characters of a traceback stored in a failed run's or step's ``error``
+    #: (its end is kept: the frames nearest the raise). 0: no traceback is stored.
+    TRACEBACK_LIMIT: int = 8192
+    #: ``durable.contrib.prometheus``: how many concurrency keys the active-runs
+    #: gauges export at most (in key order), read from the database at each
+    #: scrape. 0: no such gauges.
+    PROMETHEUS_ACTIVE_RUNS_KEYS: int = 0
 
 
 class _Settings:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.utils import timezone
 
-from durable import exceptions
+from durable import exceptions, signals
 from durable.status import TERMINAL_STATUSES, RunStatus
 from durable.stores.base import RunRecord, StepEntry
 from durable.util import check_json, describe_error
@@ -121,8 +121,11 @@ class WorkflowContext:
             except Exception as exc:
                 fatal = isinstance(exc, (exceptions.FatalError, exceptions.InvalidStartError))
                 if fatal or attempt > retries:
-                    error = describe_error(exc, with_args=True)
-                    self._record(StepEntry(position, name, "failed", error=error, attempts=attempt, started_at=started))
+                    error = describe_error(exc, with_args=True, with_traceback=True)
+                    entry = StepEntry(position, name, "failed", error=error, attempts=attempt, started_at=started)
+                    self._record(entry)
+                    if signals.step_finished.has_listeners(self.engine):
+                        self._step_finished(entry)
                     raise
                 delay = backoff(attempt) if callable(backoff) else float(backoff) * 2 ** (attempt - 1)
                 logger.info(
@@ -132,8 +135,33 @@ class WorkflowContext:
                 self.engine.store.recover()  # a step that lost its database connection retries on a fresh one
                 self._ensure_running()
                 continue
-            self._record(StepEntry(position, name, "completed", output=output, attempts=attempt, started_at=started))
+            entry = StepEntry(position, name, "completed", output=output, attempts=attempt, started_at=started)
+            self._record(entry)
+            if signals.step_finished.has_listeners(self.engine):
+                self._step_finished(entry)
             return output
+
+    def _step_finished(self, entry: StepEntry) -> None:
+        """Send ``step_finished`` for the step just journaled, on commit."""
+        finished_at = timezone.now()
+        started_at = entry.started_at or finished_at
+        signals.send_on_commit(
+            self.engine.store.on_commit,
+            signals.step_finished,
+            self.engine,
+            run_id=self.run_id,
+            workflow=self.run.workflow,
+            namespace=self.run.namespace,
+            step=entry.name,
+            position=entry.position,
+            outcome=entry.outcome,
+            attempts=entry.attempts,
+            output=entry.output,
+            error=entry.error,
+            started_at=started_at,
+            finished_at=finished_at,
+            duration=max(0.0, (finished_at - started_at).total_seconds()),
+        )
 
     def now(self) -> datetime:
         """The current time, journaled: a replay sees the same value."""

@@ -13,11 +13,11 @@ from typing import Any
 from django.utils import timezone
 
 from durable import concurrency as _concurrency
-from durable import exceptions
+from durable import exceptions, signals
 from durable.conf import settings
 from durable.runtime import admission
 from durable.runtime import dispatch as _dispatch
-from durable.runtime.execution import Executor
+from durable.runtime.execution import Executor, send_run_finished
 from durable.runtime.registry import Definition, Registry, WorkflowFn, default_registry
 from durable.status import ACTIVE_STATUSES, RETRYABLE_STATUSES, TERMINAL_STATUSES, RunStatus
 from durable.stores.base import BaseStore, RunExists, RunRecord, group_keys
@@ -251,6 +251,12 @@ class Engine:
             existing = self.store.get_run(record.run_id)
             assert existing is not None
             return self._restarted(existing, definition.name)
+        except exceptions.ConcurrencyLimitError as exc:
+            if signals.start_refused.has_listeners(self):
+                self._refused(exc, record.run_id if given else None)
+            raise
+        if signals._run_created.has_listeners(self) or signals.run_finished.has_listeners(self):
+            self._created(record)
         if record.status == RunStatus.PENDING:
             self.dispatch.send(self, record)
         elif record.status == RunStatus.QUEUED:
@@ -299,6 +305,35 @@ class Engine:
                 for quota in quotas:
                     if quota.strategy is _concurrency.Strategy.GROUP_ROUND_ROBIN:
                         self.store.set_rr_cursor(quota.key, groups[quota.tag])
+
+    def _refused(self, exc: exceptions.ConcurrencyLimitError, run_id: str | None) -> None:
+        """Send ``start_refused`` at once: a refused start wrote nothing, there is no commit to wait for."""
+        signals.send(
+            signals.start_refused,
+            self,
+            workflow=exc.workflow,
+            key=exc.key,
+            limit=exc.limit,
+            active=exc.active,
+            namespace=self.namespace,
+            run_id=run_id,
+            error=exc,
+        )
+
+    def _created(self, record: RunRecord) -> None:
+        """A start created ``record``: the internal ``_run_created``, and ``run_finished``
+        for a run created ``cancelled`` (CANCEL_NEWEST), on commit."""
+        signals.send_on_commit(
+            self.store.on_commit,
+            signals._run_created,
+            self,
+            run_id=record.run_id,
+            workflow=record.workflow,
+            namespace=record.namespace,
+            status=record.status,
+        )
+        if record.status == RunStatus.CANCELLED and signals.run_finished.has_listeners(self):
+            send_run_finished(self, record, RunStatus.CANCELLED, error=record.error)
 
     def _ancestors(self, parent_run_id: str | None) -> list[RunRecord]:
         """The parent of a child start, its parent, and so on up to the root."""
@@ -361,6 +396,7 @@ class Engine:
 
     def _cancel(self, run: RunRecord, *, reason: str) -> bool:
         """Cancel one run, revoke its pending messages, cancel its children."""
+        error = {"type": "durable.cancelled", "message": reason}
         cancelled = self.store.transition(
             run.run_id,
             from_statuses=ACTIVE_STATUSES,
@@ -368,7 +404,7 @@ class Engine:
             lease="",
             waiting_for="",
             wake_at=None,
-            error={"type": "durable.cancelled", "message": reason},
+            error=error,
             finished_at=timezone.now(),
         )
         if cancelled:
@@ -379,6 +415,8 @@ class Engine:
             for child in self.store.active_children(run.run_id):
                 self._cancel(child, reason=f"Cancelled with its parent run {run.run_id!r}.")
             self.executor.ended(run)
+            if signals.run_finished.has_listeners(self):
+                send_run_finished(self, run, RunStatus.CANCELLED, error=error)
         return cancelled
 
     def retry(self, run_id: str, concurrency: _concurrency.ConcurrencySpec = None) -> RunHandle:
@@ -396,18 +434,23 @@ class Engine:
         definition = self.registry.get(record.workflow, record.version)
         specs = definition.concurrency if concurrency is None else _per_start(concurrency)
         quotas = _concurrency.resolve(specs, record.input)
-        with self.store.admission(quotas):
-            # A retry never queues nor cancels: a full key refuses it, whatever its strategy.
-            admission.decide(
-                self.admission_scope, record.workflow, [replace(q, strategy=_concurrency.Strategy.REJECT) for q in quotas]
-            )
-            if not self.store.retry(run_id, from_statuses=sorted(RETRYABLE_STATUSES), tags=[q.tag for q in quotas]):
-                current = self._load(run_id).status
-                raise exceptions.RunTerminalError(
-                    f"Run {run_id!r} is {current}; only failed, dead or cancelled runs can be retried.",
-                    run_id=run_id,
-                    status=current,
+        try:
+            with self.store.admission(quotas):
+                # A retry never queues nor cancels: a full key refuses it, whatever its strategy.
+                admission.decide(
+                    self.admission_scope, record.workflow, [replace(q, strategy=_concurrency.Strategy.REJECT) for q in quotas]
                 )
+                if not self.store.retry(run_id, from_statuses=sorted(RETRYABLE_STATUSES), tags=[q.tag for q in quotas]):
+                    current = self._load(run_id).status
+                    raise exceptions.RunTerminalError(
+                        f"Run {run_id!r} is {current}; only failed, dead or cancelled runs can be retried.",
+                        run_id=run_id,
+                        status=current,
+                    )
+        except exceptions.ConcurrencyLimitError as exc:
+            if signals.start_refused.has_listeners(self):
+                self._refused(exc, run_id)
+            raise
         handle = self.get_run(run_id)
         self.dispatch.send(self, handle.record)
         return handle

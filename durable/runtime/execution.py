@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from django import db
 from django.utils import timezone
 
-from durable import exceptions
+from durable import exceptions, signals
 from durable.concurrency import Quota
 from durable.conf import settings
 from durable.runtime.context import WorkflowContext
@@ -65,6 +65,19 @@ class Executor:
             logger.debug("Run %s is not pending (or is owned by a live worker); nothing to do.", run_id)
             return False
         record, steps = claimed
+        if signals.run_started.has_listeners(self.engine) and record.started_at == record.heartbeat_at:
+            # This claim set started_at (the claim sets both to its own now): the run's first execution.
+            signals.send_on_commit(
+                self.store.on_commit,
+                signals.run_started,
+                self.engine,
+                run_id=run_id,
+                workflow=record.workflow,
+                version=record.version,
+                namespace=record.namespace,
+                generation=record.generation,
+                started_at=record.started_at,
+            )
         try:
             self._execute(record, lease, steps)
         except exceptions.StoreUnavailable as exc:
@@ -89,7 +102,8 @@ class Executor:
                     f"{definition.queue!r}, which this worker should not consume."
                 )
         except exceptions.UnknownWorkflowError as exc:
-            self.finish(record, lease, RunStatus.FAILED, error=describe_error(exc))
+            if self.finish(record, lease, RunStatus.FAILED, error=describe_error(exc)):
+                logger.error("Run %s failed: %s", run_id, exc)
             return
         with self._heartbeat(run_id, lease) as lost:
             claimed = True  # the first pass follows the claim, which just proved the lease
@@ -115,8 +129,12 @@ class Executor:
                         return
                     continue  # what it waits for is already there: replay at once
                 except Exception as exc:  # the workflow's own code failed
-                    logger.info("Run %s failed: %s", run_id, exc)
-                    self.finish(record, lease, RunStatus.FAILED, error=describe_error(exc))
+                    if self.finish(record, lease, RunStatus.FAILED, error=describe_error(exc, with_traceback=True)):
+                        # ERROR with the traceback: what Sentry's logging integration and log
+                        # aggregation capture (the Celery task itself succeeds, see the docs).
+                        logger.error("Run %s of workflow %s failed: %s", run_id, record.workflow, exc, exc_info=exc)
+                    else:
+                        logger.info("Run %s failed after it stopped being this worker's (cancelled?): %s", run_id, exc)
                     return
                 break
         self.finish(record, lease, RunStatus.COMPLETED, output=output)
@@ -177,11 +195,16 @@ class Executor:
         record = self.store.get_run(run_id)
         return record is not None and record.status == RunStatus.RUNNING and record.lease == lease
 
-    def finish(self, run: RunRecord, lease: str, status: str, *, output: Any = None, error: Any = None) -> None:
+    def finish(self, run: RunRecord, lease: str, status: str, *, output: Any = None, error: Any = None) -> bool:
+        """End a run this execution holds (compare-and-set on the lease); False if it no longer does."""
         finished = self.store.finish(run.run_id, lease, status=status, output=output, error=error)
-        if finished:
-            held_keys = not isinstance(finished, Finished) or finished.held_keys
-            self._after(run, lambda run: self.ended(run, held_keys=held_keys))
+        if not finished:
+            return False
+        held_keys = not isinstance(finished, Finished) or finished.held_keys
+        self._after(run, lambda run: self.ended(run, held_keys=held_keys))
+        if signals.run_finished.has_listeners(self.engine):
+            send_run_finished(self.engine, run, status, output=output, error=error)
+        return True
 
     @staticmethod
     def _after(run: RunRecord, hook: Callable[[RunRecord], None]) -> None:
@@ -369,6 +392,27 @@ class Executor:
         if blocked:
             logger.warning("%d runs are blocked: no live worker consumes their queue.", len(blocked))
         return blocked, unblocked
+
+
+def send_run_finished(engine: Engine, run: RunRecord, status: str, *, output: Any = None, error: Any = None) -> None:
+    """Send ``run_finished`` for ``run``, which just reached terminal ``status``, on commit."""
+    finished_at = timezone.now()
+    started_at = run.started_at
+    signals.send_on_commit(
+        engine.store.on_commit,
+        signals.run_finished,
+        engine,
+        run_id=run.run_id,
+        workflow=run.workflow,
+        version=run.version,
+        namespace=run.namespace,
+        status=status,
+        output=output,
+        error=error,
+        started_at=started_at,
+        finished_at=finished_at,
+        duration=None if started_at is None else max(0.0, (finished_at - started_at).total_seconds()),
+    )
 
 
 def _worker_name() -> str:

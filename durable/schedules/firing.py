@@ -14,10 +14,11 @@ import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from django.db import transaction
 from django.utils import timezone as django_timezone
 
 import durable
-from durable import concurrency, exceptions, models
+from durable import concurrency, exceptions, models, signals
 from durable.runtime.engine import Engine, RunHandle
 from durable.schedules import service
 from durable.schedules.windows import manual_run_id, window_of, window_run_id
@@ -113,6 +114,7 @@ def _start(schedule: models.Schedule, window: datetime, run_id: str, *, now: dat
         message = f"{label} skipped: {full}, so no run was started. The next window starts normally once a slot is free."
         _record_error(schedule, message, now)
         logger.warning("Schedule %r: %s", schedule.name, message)
+        _skipped(schedule, window, run_id, message, exc)
         return Firing(schedule.name, window, run_id, Outcome.SKIPPED, error=message)
     except exceptions.DurableError as exc:
         # The workflow is no longer registered, its key function fails on the
@@ -130,6 +132,7 @@ def _start(schedule: models.Schedule, window: datetime, run_id: str, *, now: dat
         message = f"{label} skipped: its run {run_id!r} was created cancelled (CANCEL_NEWEST). {reason}".strip()
         _record_error(schedule, message, now)
         logger.warning("Schedule %r: %s", schedule.name, message)
+        _skipped(schedule, window, run_id, message, None)
         return Firing(schedule.name, window, run_id, Outcome.SKIPPED, handle=handle, error=message)
     models.Schedule.objects.filter(pk=schedule.pk).update(last_run_at=now, last_run_id=run_id, last_error="", last_error_at=None)
     schedule.last_run_at, schedule.last_run_id, schedule.last_error, schedule.last_error_at = now, run_id, "", None
@@ -146,6 +149,23 @@ def engine_for(schedule: models.Schedule) -> Engine:
 def _record_error(schedule: models.Schedule, message: str, now: datetime) -> None:
     models.Schedule.objects.filter(pk=schedule.pk).update(last_error=message, last_error_at=now)
     schedule.last_error, schedule.last_error_at = message, now
+
+
+def _skipped(schedule: models.Schedule, window: datetime, run_id: str, reason: str, error: Exception | None) -> None:
+    """Send ``window_skipped`` once ``last_error`` is committed."""
+    if signals.window_skipped.has_listeners(models.Schedule):
+        manual = run_id != window_run_id(schedule.name, window)
+        signals.send_on_commit(
+            transaction.on_commit,
+            signals.window_skipped,
+            models.Schedule,
+            schedule=schedule,
+            window=window,
+            run_id=run_id,
+            reason=reason,
+            manual=manual,
+            error=error,
+        )
 
 
 def _stamp(moment: datetime) -> str:

@@ -450,6 +450,7 @@ class DjangoStore(BaseStore):
                 attempt=0,
                 generation=F("generation") + 1,
                 lease="",
+                started_at=None,  # the retry's first claim sets it again (run_started)
                 finished_at=None,
                 dispatched_at=timezone.now(),
                 redispatches=0,

@@ -181,6 +181,7 @@ class InMemoryStore(BaseStore):
                 error=None,
                 attempt=0,
                 lease="",
+                started_at=None,  # the retry's first claim sets it again (run_started)
                 finished_at=None,
                 dispatched_at=timezone.now(),
                 redispatches=0,

@@ -45,6 +45,16 @@ def test_stale_after_must_exceed_two_heartbeats() -> None:
         assert "durable.E002" not in [m.id for m in checks.check_settings()]
 
 
+@pytest.mark.parametrize("name", ["TRACEBACK_LIMIT", "PROMETHEUS_ACTIVE_RUNS_KEYS"])
+@pytest.mark.parametrize(("value", "bad"), [(0, False), (8192, False), (-1, True), ("8k", True), (True, True), (1.5, True)])
+def test_count_settings_must_be_whole_numbers(name: str, value: object, bad: bool) -> None:
+    with override_settings(DURABLE={name: value}):
+        errors = [m for m in checks.check_settings() if m.id == "durable.E003"]
+    assert len(errors) == int(bad)
+    if bad:
+        assert name in errors[0].msg and repr(value) in errors[0].msg
+
+
 def test_settings_read_through_to_django_settings() -> None:
     assert conf.settings.MAX_ATTEMPTS == 5
     with override_settings(DURABLE={"MAX_ATTEMPTS": 9}):

@@ -1,0 +1,1 @@
+"""Optional integrations, each behind an extra (``pip install django-durable-workflows[prometheus]``)."""
