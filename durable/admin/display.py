@@ -13,7 +13,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.http import urlencode
-from django.utils.safestring import SafeString
+from django.utils.safestring import SafeString, mark_safe
 
 #: How many run ids a message lists before it says "and N more".
 MAX_LISTED = 10
@@ -110,7 +110,7 @@ def usage_bar(active: int, limit: int | None) -> SafeString:
         round(ratio * 100),
         active,
         limit,
-        format_html(' <strong class="durable-full">FULL</strong>') if full else "",
+        mark_safe(' <strong class="durable-full">FULL</strong>') if full else "",
     )
 
 
