@@ -372,7 +372,7 @@ class WorkflowRunAdmin(admin.ModelAdmin):
             if run.namespace != "default"
             else ""
         )
-        return format_html('<span style="white-space:nowrap">{} v{}</span>{}', run.workflow, run.version, namespace)
+        return format_html("{} v{}{}", run.workflow, run.version, namespace)
 
     @admin.display(description="status", ordering="status")
     def status_mark(self, run: models.WorkflowRun) -> SafeString:
@@ -390,7 +390,7 @@ class WorkflowRunAdmin(admin.ModelAdmin):
 
     @admin.display(description="took")
     def took(self, run: models.WorkflowRun) -> SafeString:
-        return format_html('<span class="durable-duration">{}</span>', run_duration(run))
+        return format_html('<span class="durable-took">{}</span>', run_duration(run))
 
     @admin.display(description="now")
     def current_step(self, run: models.WorkflowRun) -> SafeString | str:

@@ -118,7 +118,7 @@ class ScheduleForm(forms.ModelForm):
             workflows.append((current, f"{current} (not registered)"))
         self.fields["workflow"] = _ListChoiceField(
             choices=[("", "---------"), *workflows],
-            label="workflow",
+            label="Workflow",
             help_text="One of the workflows registered in this process.",
         )
         zones = list(_timezones())
@@ -127,7 +127,7 @@ class ScheduleForm(forms.ModelForm):
         self.fields["timezone"] = _ListChoiceField(
             choices=zones,
             initial="UTC",
-            label="timezone",
+            label="Timezone",
             help_text="The timezone a cron expression is read in (cron schedules only).",
         )
 

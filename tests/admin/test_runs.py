@@ -38,7 +38,7 @@ def test_the_list_shows_each_runs_keys_durations_and_seconds(admin_client: Clien
 
     done = row(content, "done")
     assert ">region:eu</a><br><a" in done and ">tenant:acme</a>" in done and "team:a" not in done
-    assert '<span class="durable-duration">4m 12s</span>' in done
+    assert '<span class="durable-took">4m 12s</span>' in done
     assert re.search(r"title=\"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC\">\d{4}-\d\d-\d\d<br>\d\d:\d\d:\d\d<", done)
     assert re.search(r">59m 5\ds so far<", row(content, "busy"))
     assert re.search(r">waiting 3m( [0-2]s)?<", row(content, "waiting"))
