@@ -405,14 +405,18 @@ class WorkflowRunAdmin(admin.ModelAdmin):
         last = run.steps.order_by("-position").only("position", "name", "finished_at").first()
         after = format_html(', after step #{} "{}"', last.position, last.name) if last else ", its first"
         if run.status == RunStatus.RUNNING:
-            since = last.finished_at if last and last.finished_at else run.started_at
+            # When the executing step began is not stored: say when the journal last moved.
+            if last is not None and last.finished_at is not None:
+                since = format_html("step #{} finished {} ago", last.position, age(last.finished_at))
+            else:
+                since = format_html("the run started {} ago", age(run.started_at)) if run.started_at else ""
             return format_html(
-                '<span class="durable-current">&#9654; executing step #{}{} (for {}, on {}); '
+                '<span class="durable-current">&#9654; executing step #{}{} ({}; worker {}); '
                 "its name is journaled when it finishes</span>",
                 last.position + 1 if last else 0,
                 after,
-                age(since) if since else "?",
-                run.worker or "a worker",
+                since,
+                run.worker or "unknown",
             )
         if run.status == RunStatus.SUSPENDED:
             wakes = format_html(", wakes in {}", duration(run.wake_at - timezone.now())) if run.wake_at else ""

@@ -27,7 +27,7 @@ def test_duration(delta: timedelta, text: str) -> None:
     assert display.duration(delta) == text
 
 
-def test_age_and_timestamp_to_the_second(settings: object) -> None:
+def test_age_and_timestamp_to_the_second() -> None:
     at = datetime(2026, 11, 30, 22, 39, 41, 690000, tzinfo=UTC)
     assert display.timestamp(at) == "2026-11-30 22:39:41 UTC"
     assert display.age(at, now=at + timedelta(minutes=4, seconds=12)) == "4m 12s"
