@@ -406,6 +406,7 @@ class WorkflowRunAdmin(admin.ModelAdmin):
         after = format_html(', after step #{} "{}"', last.position, last.name) if last else ", its first"
         if run.status == RunStatus.RUNNING:
             # When the executing step began is not stored: say when the journal last moved.
+            since: SafeString | str
             if last is not None and last.finished_at is not None:
                 since = format_html("step #{} finished {} ago", last.position, age(last.finished_at))
             else:
