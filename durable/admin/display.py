@@ -1,16 +1,19 @@
-"""What the admin pages share: JSON display, lists in messages, links to runs."""
+"""What the admin pages share: JSON display, lists in messages, links to runs, and the
+one format of times (to the second), ages and durations (``4m 12s``)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.contrib import admin
 from django.urls import reverse
+from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.http import urlencode
-from django.utils.safestring import SafeString
+from django.utils.safestring import SafeString, mark_safe
 
 #: How many run ids a message lists before it says "and N more".
 MAX_LISTED = 10
@@ -47,3 +50,103 @@ def listing(items: Sequence[str]) -> str:
 def runs_with_tag_url(tag: str) -> str:
     """The runs changelist filtered to the runs carrying ``tag``."""
     return reverse("admin:durable_workflowrun_changelist") + "?" + urlencode({TAG_PARAMETER: tag})
+
+
+def duration(delta: timedelta | None) -> str:
+    """``delta`` in its two largest units: ``"12s"``, ``"4m 12s"``, ``"2h 3m"``, ``"3d 4h"``.
+
+    The one format of ages and durations on every admin page. A negative delta
+    (clocks a little apart) is ``"0s"``; ``None`` is ``""``.
+    """
+    if delta is None:
+        return ""
+    seconds = max(0, int(delta.total_seconds()))
+    days, rest = divmod(seconds, 86_400)
+    hours, rest = divmod(rest, 3_600)
+    minutes, seconds = divmod(rest, 60)
+    parts = [(days, "d"), (hours, "h"), (minutes, "m"), (seconds, "s")]
+    while len(parts) > 1 and parts[0][0] == 0:
+        parts.pop(0)
+    return " ".join(f"{n}{unit}" for n, unit in parts[:2] if n or unit == parts[0][1])
+
+
+def age(since: datetime | None, now: datetime | None = None) -> str:
+    """How long ago ``since`` was (``duration`` of now minus it); ``""`` for ``None``."""
+    if since is None:
+        return ""
+    return duration((now or timezone.now()) - since)
+
+
+def timestamp(value: datetime | None) -> str:
+    """``2026-11-30 22:39:41 UTC``: a time to the second, in the current timezone."""
+    if value is None:
+        return ""
+    local = timezone.localtime(value) if timezone.is_aware(value) else value
+    return local.strftime("%Y-%m-%d %H:%M:%S ") + (local.tzname() or "")
+
+
+def ago(value: datetime | None, now: datetime | None = None) -> SafeString | str:
+    """``4m 12s ago`` with the exact time (``timestamp``) as its tooltip; ``""`` for ``None``."""
+    if value is None:
+        return ""
+    return format_html('<span title="{}">{} ago</span>', timestamp(value), age(value, now))
+
+
+def usage_bar(active: int, limit: int | None) -> SafeString:
+    """``active / limit`` with a bar filled to the ratio, marked full (red, "FULL") when
+    ``active`` reaches ``limit``. Without a known limit: the count alone."""
+    if limit is None:
+        return format_html('<span class="durable-use">{} / ?</span>', active)
+    full = active >= limit
+    ratio = 1.0 if limit <= 0 else min(1.0, active / limit)
+    level = "full" if full else ("high" if ratio >= 0.75 else "ok")
+    return format_html(
+        '<span class="durable-use durable-use-{}" title="{} of {} slots in use">'
+        '<span class="durable-bar"><span style="width:{}%"></span></span>'
+        '<span class="durable-use-count">{} / {}</span>{}</span>',
+        level,
+        active,
+        limit,
+        round(ratio * 100),
+        active,
+        limit,
+        mark_safe(' <strong class="durable-full">FULL</strong>') if full else "",
+    )
+
+
+def truncated(text: str, length: int = 80) -> SafeString | str:
+    """``text`` cut to ``length`` characters on one line, the whole of it as the tooltip."""
+    if not text:
+        return ""
+    short = text if len(text) <= length else text[: length - 1].rstrip() + "…"
+    return format_html('<span class="durable-truncated" title="{}">{}</span>', text, short)
+
+
+def compact_timestamp(value: datetime | None) -> SafeString | str:
+    """``timestamp`` on two short lines (date, then time to the second) for a narrow column,
+    the whole of it as the tooltip."""
+    if value is None:
+        return ""
+    local = timezone.localtime(value) if timezone.is_aware(value) else value
+    return format_html(
+        '<span class="durable-time" title="{}">{}<br>{}</span>',
+        timestamp(value),
+        local.strftime("%Y-%m-%d"),
+        local.strftime("%H:%M:%S"),
+    )
+
+
+def time_column(field: str, description: str | None = None, *, compact: bool = False) -> Callable[[Any, Any], SafeString | str]:
+    """An admin display method showing the datetime ``field`` of a row to the second
+    (``started = time_column("started_at")``); ``compact``: on two lines, for a list."""
+
+    @admin.display(description=description or field.replace("_at", "").replace("_", " "), ordering=field)
+    def show(model_admin: Any, obj: Any) -> SafeString | str:
+        value = getattr(obj, field)
+        if value is None:
+            return ""
+        if compact:
+            return compact_timestamp(value)
+        return format_html('<span class="durable-time">{}</span>', timestamp(value))
+
+    return show

@@ -1,37 +1,165 @@
-"""The concurrency quotas admin: one row per key, read-only."""
+"""The concurrency quotas admin: a dashboard of the keys, fullest first, read-only."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 from django.contrib import admin
-from django.contrib.admin.views.main import ChangeList
+from django.contrib.admin.options import IncorrectLookupParameters
+from django.contrib.admin.views.main import ORDER_VAR, ChangeList
+from django.core.paginator import InvalidPage
+from django.db.models import QuerySet
 from django.http import HttpRequest
-from django.utils.html import format_html
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
-from django.utils.timesince import timesince
 
 from durable import models, quotas
-from durable.admin.display import runs_with_tag_url
+from durable.admin import usage
+from durable.admin.display import age, ago, runs_with_tag_url, timestamp, usage_bar
 from durable.admin.listing import EstimatedCountPaginator
-from durable.concurrency import TAG_PREFIX
+from durable.concurrency import TAG_PREFIX, Strategy
+from durable.status import ACTIVE_STATUSES, DEFAULT_CONCURRENCY_STATUSES, RunStatus
+
+#: The name the "use" column sorts by (``?o=1`` / ``?o=-1``); not a database column.
+USE = "use"
+#: How many runs in flight (and queued) a quota's page lists.
+RUNS_SHOWN = 50
+
+
+def _in_flight(request: HttpRequest) -> dict[str, usage.InFlight]:
+    """``usage.in_flight()``, read once per request (the filters and the order share it)."""
+    if not hasattr(request, "_durable_in_flight"):
+        request._durable_in_flight = usage.in_flight()  # type: ignore[attr-defined]
+    found: dict[str, usage.InFlight] = request._durable_in_flight  # type: ignore[attr-defined]
+    return found
+
+
+class UseFilter(admin.SimpleListFilter):
+    """Keys with no free slot, or with runs waiting in their queue."""
+
+    title = "use"
+    parameter_name = "use"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("full", "full (no free slot)"), ("queued", "has queued runs")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value not in ("full", "queued"):
+            return queryset
+        return queryset.filter(usage.keys_where(_in_flight(request), value))
+
+
+class StrategyFilter(admin.SimpleListFilter):
+    """Keys whose runs in flight belong to a workflow declaring a strategy.
+
+    The lock row does not record a strategy (it is declared per workflow, or per
+    start): a key is matched through the workflows of its runs in flight, so an
+    idle key matches no strategy.
+    """
+
+    title = "strategy (of the workflows in flight)"
+    parameter_name = "strategy"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [(s.value, s.value.replace("_", " ")) for s in Strategy]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value not in {s.value for s in Strategy}:
+            return queryset
+        return queryset.filter(usage.keys_where(_in_flight(request), value))
 
 
 class _QuotaChangeList(ChangeList):
-    """Attaches each listed key's ``QuotaInfo`` (``quota_info``) to its row.
+    """The keys fullest first (``use`` order, the default), or by key.
 
-    ``quotas.infos_for()`` computes the page's keys only, in one grouped query, so
-    a page costs the same number of queries whatever its length and however many
-    other keys there are.
+    By use: the keys with runs in flight (``usage.in_flight()``, as many as there
+    are runs in flight) sorted by how full they are, then the idle keys in key
+    order, read a page at a time (``usage.idle``). No step reads every key. Then
+    each listed key's ``QuotaInfo`` (``quota_info``): ``quotas.infos_for()``
+    computes the page's keys only, in one grouped query.
     """
 
+    by_use: str | None = None
+
+    def get_ordering(self, request: HttpRequest, queryset: QuerySet[Any]) -> list[Any]:
+        if not self.params.get(ORDER_VAR):
+            # The default: fullest first.
+            self.by_use = "desc"
+            return ["key"]
+        ordering = super().get_ordering(request, queryset)
+        first = ordering[0] if ordering and isinstance(ordering[0], str) else ""
+        if first.lstrip("-") == USE:
+            self.by_use = "desc" if first.startswith("-") else "asc"
+            return ["key"]
+        self.by_use = None
+        return [part for part in ordering if not (isinstance(part, str) and part.lstrip("-") == USE)]
+
+    def get_ordering_field_columns(self) -> dict[int, Literal["desc", "asc"]]:
+        if ORDER_VAR in self.params:
+            return super().get_ordering_field_columns()
+        # The default order (fullest first) is not a model field: mark its column.
+        return {index: "desc" for index, name in enumerate(self.list_display) if name == USE}
+
     def get_results(self, request: HttpRequest) -> None:
-        super().get_results(request)
-        page = list(self.result_list)  # fills the page's result cache
+        if self.by_use is None:
+            super().get_results(request)
+        else:
+            self._results_by_use(request)
+        page = list(self.result_list)
         infos = {info.key: info for info in quotas.infos_for(page)}
         for lock in page:
             lock.quota_info = infos.get(lock.key)
+        self.result_list = page
+
+    def _results_by_use(self, request: HttpRequest) -> None:
+        paginator = self.model_admin.get_paginator(request, self.queryset, self.list_per_page)
+        result_count = paginator.count
+        can_show_all = result_count <= self.list_max_show_all
+        multi_page = result_count > self.list_per_page
+        in_flight = _in_flight(request)
+        busy = sorted(usage.locks_of(self.queryset, in_flight), key=lambda lock: lock.key)
+        busy.sort(key=lambda lock: usage.use_order(lock, in_flight[lock.key]), reverse=self.by_use == "desc")
+        idle = usage.idle(self.queryset)
+        if (self.show_all and can_show_all) or not multi_page:
+            rows = busy + list(idle) if self.by_use == "desc" else list(idle) + busy
+        else:
+            try:
+                paginator.validate_number(self.page_num)
+            except InvalidPage:
+                raise IncorrectLookupParameters from None
+            start = (self.page_num - 1) * self.list_per_page
+            rows = _page(busy, idle, start, self.list_per_page, busy_first=self.by_use == "desc")
+        self.result_count = result_count
+        self.show_full_result_count = self.model_admin.show_full_result_count
+        self.show_admin_actions = True
+        self.full_result_count = None
+        self.result_list = rows
+        self.can_show_all = can_show_all
+        self.multi_page = multi_page
+        self.paginator = paginator
+
+
+def _page(
+    busy: list[models.ConcurrencyLock], idle: QuerySet[models.ConcurrencyLock], start: int, size: int, *, busy_first: bool
+) -> list[models.ConcurrencyLock]:
+    """Rows ``start`` to ``start + size`` of ``busy`` followed by ``idle`` (or ``idle`` then ``busy``)."""
+    if busy_first:
+        rows = busy[start : start + size]
+        if len(rows) < size:
+            offset = max(0, start - len(busy))
+            rows += list(idle[offset : offset + size - len(rows)])
+        return rows
+    rows = list(idle[start : start + size])
+    if len(rows) < size:
+        idle_total = start + len(rows) if rows or start == 0 else idle.count()
+        offset = max(0, start - idle_total)
+        rows += busy[offset : offset + size - len(rows)]
+    return rows
 
 
 def _info(lock: models.ConcurrencyLock) -> quotas.QuotaInfo | None:
@@ -43,26 +171,80 @@ def _info(lock: models.ConcurrencyLock) -> quotas.QuotaInfo | None:
     return info
 
 
+def _runs_table(runs: Sequence[models.WorkflowRun], more: int, tag: str, empty: str) -> SafeString | str:
+    """A small table of runs (id, workflow, status, age since created), oldest first."""
+    if not runs:
+        return empty
+    now = timezone.now()
+    rows = format_html_join(
+        "",
+        '<tr><td><a href="{}">{}</a></td><td>{}</td><td><span class="durable-status durable-status-{}">{}</span></td>'
+        '<td class="durable-duration" title="created {}">{}</td></tr>',
+        (
+            (
+                reverse("admin:durable_workflowrun_change", args=[run.pk]),
+                run.run_id,
+                run.workflow,
+                run.status,
+                run.status,
+                timestamp(run.created_at),
+                age(run.created_at, now),
+            )
+            for run in runs
+        ),
+    )
+    tail = (
+        format_html('<p>and {} more: <a href="{}">all runs of this key</a></p>', more, runs_with_tag_url(tag)) if more > 0 else ""
+    )
+    return format_html(
+        '<table class="durable-runs-table"><thead><tr><th>run</th><th>workflow</th><th>status</th><th>age</th></tr></thead>'
+        "<tbody>{}</tbody></table>{}",
+        rows,
+        tail,
+    )
+
+
 @admin.register(models.ConcurrencyLock)
 class ConcurrencyQuotaAdmin(admin.ModelAdmin):
-    """Concurrency quotas, one row per key ever used: read-only.
+    """Concurrency quotas, one row per key ever used: read-only, fullest first.
 
     ``limit`` and ``count_statuses`` are the values the latest start of the key
     used, admitted or refused (a limit computed per start may differ from one
     start to the next).
-    ``active`` counts the key's runs in those statuses across every namespace,
-    ``queued`` its queued runs, "oldest in flight" is the creation time of the
-    oldest counted run and "oldest queued" how long the head of its queue has waited.
+    "use" is the key's runs in those statuses across every namespace over its
+    limit, marked FULL when no slot is free; "queued" its queued runs, with how
+    long the head of its queue has waited; "oldest in flight" how long ago the
+    oldest counted run was created.
     """
 
-    list_display = ("key", "limit", "active", "queued", "oldest_queued", "oldest_in_flight", "counted_statuses", "runs")
+    list_display = ("key", USE, "queued", "oldest_queued", "oldest_in_flight", "counted_statuses", "runs")
+    list_filter = (UseFilter, StrategyFilter)
     search_fields = ("key",)
+    #: The database order of the idle keys; the list itself is fullest first (``_QuotaChangeList``).
     ordering = ("key",)
     show_full_result_count = False
+    #: Facet counts would count every key once per filter choice.
+    show_facets = admin.ShowFacets.NEVER
     paginator = EstimatedCountPaginator
-    fields = ("key", "limit", "active", "queued", "oldest_queued", "oldest_in_flight", "counted_statuses", "created_at", "runs")
+    fields = (
+        "key",
+        USE,
+        "limit",
+        "active",
+        "queued",
+        "oldest_queued",
+        "oldest_in_flight",
+        "statuses_counted",
+        "created",
+        "runs_in_flight",
+        "runs_queued",
+        "runs",
+    )
     readonly_fields = fields
     empty_value_display = "—"
+
+    class Media:
+        css = {"all": ("durable/admin.css",)}
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return _QuotaChangeList
@@ -76,34 +258,91 @@ class ConcurrencyQuotaAdmin(admin.ModelAdmin):
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
+    # -- columns ------------------------------------------------------------------------
+    @admin.display(description="use (active / limit)", ordering=USE)
+    def use(self, lock: models.ConcurrencyLock) -> SafeString:
+        info = _info(lock)
+        return usage_bar(info.active if info else 0, lock.limit)
+
     @admin.display(description="active")
     def active(self, lock: models.ConcurrencyLock) -> int:
         info = _info(lock)
         return info.active if info else 0
 
     @admin.display(description="queued")
-    def queued(self, lock: models.ConcurrencyLock) -> int:
+    def queued(self, lock: models.ConcurrencyLock) -> SafeString | int:
         info = _info(lock)
-        return info.queued if info else 0
+        if not info or not info.queued:
+            return 0
+        return format_html('<span class="durable-queued">{}</span>', info.queued)
 
-    @admin.display(description="oldest queued")
-    def oldest_queued(self, lock: models.ConcurrencyLock) -> str | None:
+    @admin.display(description="longest queued")
+    def oldest_queued(self, lock: models.ConcurrencyLock) -> SafeString | None:
         info = _info(lock)
         if info is None or info.oldest_queued_at is None:
             return None
-        return f"waiting {timesince(info.oldest_queued_at)}"
+        return format_html(
+            '<span class="durable-duration" title="queued since {}">waiting {}</span>',
+            timestamp(info.oldest_queued_at),
+            age(info.oldest_queued_at),
+        )
 
     @admin.display(description="oldest in flight")
-    def oldest_in_flight(self, lock: models.ConcurrencyLock) -> Any:
+    def oldest_in_flight(self, lock: models.ConcurrencyLock) -> SafeString | str | None:
         info = _info(lock)
-        return info.oldest_active_at if info else None
+        if info is None or info.oldest_active_at is None:
+            return None
+        return ago(info.oldest_active_at)
 
-    @admin.display(description="counted statuses")
-    def counted_statuses(self, lock: models.ConcurrencyLock) -> str:
+    @admin.display(description="counts")
+    def counted_statuses(self, lock: models.ConcurrencyLock) -> SafeString | str:
+        """The statuses occupying a slot: "default" for ``DEFAULT_CONCURRENCY_STATUSES`` (listed in its tooltip)."""
         info = _info(lock)
         statuses: Sequence[str] = info.count_statuses if info else (lock.count_statuses or ())
-        return ", ".join(statuses)
+        text = ", ".join(statuses)
+        if tuple(statuses) == DEFAULT_CONCURRENCY_STATUSES:
+            return format_html('<span title="{}">default</span>', text)
+        return text
+
+    @admin.display(description="counted statuses")
+    def statuses_counted(self, lock: models.ConcurrencyLock) -> str:
+        info = _info(lock)
+        return ", ".join(info.count_statuses if info else (lock.count_statuses or ()))
+
+    @admin.display(description="first used")
+    def created(self, lock: models.ConcurrencyLock) -> str:
+        return timestamp(lock.created_at)
 
     @admin.display(description="runs")
     def runs(self, lock: models.ConcurrencyLock) -> SafeString:
-        return format_html('<a href="{}">runs of this key</a>', runs_with_tag_url(TAG_PREFIX + lock.key))
+        return format_html(
+            '<a href="{}" title="the runs of this key" style="white-space:nowrap">list runs</a>',
+            runs_with_tag_url(TAG_PREFIX + lock.key),
+        )
+
+    # -- change page: the key's runs --------------------------------------------------------
+    @admin.display(description="in flight")
+    def runs_in_flight(self, lock: models.ConcurrencyLock) -> SafeString | str:
+        info = _info(lock)
+        counted = info.count_statuses if info else ()
+        statuses = [s for s in counted if s in ACTIVE_STATUSES]
+        if len(statuses) == len(counted):
+            total = info.active if info else 0
+        else:  # a lifetime cap also counts finished runs: those are not listed here
+            total = models.RunTag.objects.counting(TAG_PREFIX + lock.key, statuses).count()
+        return self._runs_of(lock, statuses, total, "No run in flight.")
+
+    @admin.display(description="queued runs")
+    def runs_queued(self, lock: models.ConcurrencyLock) -> SafeString | str:
+        info = _info(lock)
+        return self._runs_of(lock, [RunStatus.QUEUED], info.queued if info else 0, "No run queued.")
+
+    def _runs_of(self, lock: models.ConcurrencyLock, statuses: Sequence[str], total: int, empty: str) -> SafeString | str:
+        """The oldest ``RUNS_SHOWN`` runs of the key in ``statuses`` (an index range on the key's tag)."""
+        tag = TAG_PREFIX + lock.key
+        found = list(
+            models.WorkflowRun.objects.filter(tags__tag=tag, tags__status__in=list(statuses))
+            .only("pk", "run_id", "workflow", "status", "created_at")
+            .order_by("created_at", "pk")[:RUNS_SHOWN]
+        )
+        return _runs_table(found, total - len(found), tag, empty)

@@ -6,11 +6,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from django.contrib import admin, messages
-from django.contrib.admin.utils import quote
+from django.contrib.admin.utils import quote, unquote
 from django.contrib.admin.views.main import ChangeList
+from django.core.exceptions import PermissionDenied
 from django.db.models import Exists, OuterRef, Q, QuerySet
-from django.http import HttpRequest
-from django.urls import reverse
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString, mark_safe
 from django.utils.text import smart_split, unescape_string_literal
@@ -18,10 +21,19 @@ from django.utils.translation import ngettext
 
 import durable
 from durable import exceptions, models
-from durable.admin.display import MAX_LISTED, TAG_PARAMETER, json_column, listing, runs_with_tag_url
+from durable.admin.display import (
+    MAX_LISTED,
+    TAG_PARAMETER,
+    age,
+    duration,
+    json_column,
+    listing,
+    runs_with_tag_url,
+    time_column,
+)
 from durable.admin.listing import EstimatedCountPaginator, IndexedValuesFilter
 from durable.concurrency import TAG_PREFIX
-from durable.status import RETRYABLE_STATUSES
+from durable.status import ACTIVE_STATUSES, RETRYABLE_STATUSES, TERMINAL_STATUSES, RunStatus
 
 #: JSON columns the runs changelist does not display (they can be large).
 _LIST_DEFERRED = ("input", "output", "error")
@@ -50,10 +62,40 @@ class TagFilter(admin.SimpleListFilter):
 
 
 class _RunChangeList(ChangeList):
-    """The runs changelist does not load the JSON columns it does not show."""
+    """The runs changelist does not load the JSON columns it does not show, and reads
+    the concurrency keys of the page's runs in one query (``concurrency_keys``)."""
 
     def get_queryset(self, request: HttpRequest, *args: Any, **kwargs: Any) -> QuerySet[Any]:
         return super().get_queryset(request, *args, **kwargs).defer(*_LIST_DEFERRED)
+
+    def get_results(self, request: HttpRequest) -> None:
+        super().get_results(request)
+        page = list(self.result_list)
+        keys: dict[int, list[str]] = {}
+        tags = models.RunTag.objects.filter(run__in=[run.pk for run in page], tag__startswith=TAG_PREFIX)
+        for run_pk, tag in tags.order_by("tag").values_list("run_id", "tag"):
+            keys.setdefault(run_pk, []).append(tag[len(TAG_PREFIX) :])
+        for run in page:
+            run.concurrency_keys = keys.get(run.pk, [])
+        self.result_list = page
+
+
+def run_duration(run: models.WorkflowRun, now: Any = None) -> str:
+    """How long the run took (started to finished), has run so far, or has waited to start."""
+    if run.status in TERMINAL_STATUSES:
+        if run.started_at is None or run.finished_at is None:
+            return "never started" if run.started_at is None else ""
+        return duration(run.finished_at - run.started_at)
+    if run.status in (RunStatus.PENDING, RunStatus.QUEUED) or run.started_at is None:
+        return f"waiting {age(run.created_at, now)}"
+    return f"{age(run.started_at, now)} so far"
+
+
+def step_duration(step: models.StepRecord) -> str:
+    """started -> finished of a journaled step (a wait's row: when it began waiting)."""
+    if step.started_at is None or step.finished_at is None:
+        return ""
+    return duration(step.finished_at - step.started_at)
 
 
 class StepRecordInline(admin.TabularInline):
@@ -63,7 +105,7 @@ class StepRecordInline(admin.TabularInline):
     """
 
     model = models.StepRecord
-    fields = ("position", "name", "outcome", "attempts", "output_json", "error_json", "started_at", "finished_at")
+    fields = ("position", "name", "outcome", "attempts", "took", "started", "finished", "output_json", "error_json")
     readonly_fields = fields
     ordering = ("position",)
     extra = 0
@@ -74,6 +116,12 @@ class StepRecordInline(admin.TabularInline):
 
     output_json = json_column("output")
     error_json = json_column("error")
+    started = time_column("started_at", "started")
+    finished = time_column("finished_at", "finished")
+
+    @admin.display(description="took")
+    def took(self, step: models.StepRecord) -> str:
+        return step_duration(step)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[models.StepRecord]:
         return super().get_queryset(request).order_by("position")
@@ -110,16 +158,9 @@ class WorkflowRunAdmin(admin.ModelAdmin):
       guarded ``DELETE ... WHERE status IN (terminal statuses)`` instead.
     """
 
-    list_display = (
-        "run_id",
-        "workflow",
-        "version",
-        "namespace",
-        "status",
-        "attempt",
-        "created_at",
-        "finished_at",
-    )
+    #: Narrow enough for 1400 px with both sidebars open: the namespace shows under the
+    #: workflow when it is not the default, a second attempt next to the status.
+    list_display = ("run_id", "workflow_version", "status_mark", "keys", "created_short", "took", "finished_short")
     #: The workflow and namespace choices are read by skipping through their indexes.
     list_filter = ("status", ("workflow", IndexedValuesFilter), ("namespace", IndexedValuesFilter), TagFilter)
     #: Searched by ``get_search_results``: a run id or tag containing each word.
@@ -131,8 +172,25 @@ class WorkflowRunAdmin(admin.ModelAdmin):
     paginator = EstimatedCountPaginator
     inlines = (StepRecordInline,)
     actions = ("cancel_runs", "retry_runs")
+    change_form_template = "admin/durable/workflowrun/change_form.html"
     fieldsets = (
-        (None, {"fields": ("run_id", "workflow", "version", "namespace", "status", "attempt", "parent", "tag_list")}),
+        (
+            None,
+            {
+                "fields": (
+                    "run_id",
+                    "workflow",
+                    "version",
+                    "namespace",
+                    "status_mark",
+                    "current_step",
+                    "took",
+                    "attempt",
+                    "parent",
+                    "tag_list",
+                )
+            },
+        ),
         ("Input and result", {"fields": ("input_json", "output_json", "error_json")}),
         (
             "Execution",
@@ -140,14 +198,14 @@ class WorkflowRunAdmin(admin.ModelAdmin):
                 "fields": (
                     "queue",
                     "waiting_for",
-                    "wake_at",
+                    "wake",
                     "worker",
-                    "created_at",
-                    "dispatched_at",
-                    "started_at",
-                    "heartbeat_at",
-                    "updated_at",
-                    "finished_at",
+                    "created",
+                    "dispatched",
+                    "started",
+                    "heartbeat",
+                    "updated",
+                    "finished",
                 )
             },
         ),
@@ -157,24 +215,29 @@ class WorkflowRunAdmin(admin.ModelAdmin):
         "workflow",
         "version",
         "namespace",
-        "status",
+        "status_mark",
+        "current_step",
+        "took",
         "attempt",
         "parent",
         "tag_list",
         "queue",
         "waiting_for",
-        "wake_at",
+        "wake",
         "input_json",
         "output_json",
         "error_json",
         "worker",
-        "created_at",
-        "dispatched_at",
-        "started_at",
-        "heartbeat_at",
-        "updated_at",
-        "finished_at",
+        "created",
+        "dispatched",
+        "started",
+        "heartbeat",
+        "updated",
+        "finished",
     )
+
+    class Media:
+        css = {"all": ("durable/admin.css",)}
 
     # -- engine ----------------------------------------------------------------
     def get_engine(self) -> durable.Engine:
@@ -194,6 +257,78 @@ class WorkflowRunAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+    # -- the run's page: cancel and retry buttons -------------------------------------------
+    def get_urls(self) -> list[URLPattern]:
+        info = self.opts.app_label, self.opts.model_name
+        own = [
+            path("<path:object_id>/cancel/", self.admin_site.admin_view(self.cancel_view), name="{}_{}_cancel".format(*info)),
+            path("<path:object_id>/retry/", self.admin_site.admin_view(self.retry_view), name="{}_{}_retry".format(*info)),
+        ]
+        return own + super().get_urls()
+
+    def change_view(
+        self, request: HttpRequest, object_id: str, form_url: str = "", extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        run = self.get_object(request, unquote(object_id))
+        context = dict(extra_context or {})
+        if run is not None and self.has_change_permission(request):
+            info = self.opts.app_label, self.opts.model_name
+            context["durable_can_cancel"] = run.status in ACTIVE_STATUSES
+            context["durable_can_retry"] = run.status in RETRYABLE_STATUSES
+            context["durable_cancel_url"] = reverse("admin:{}_{}_cancel".format(*info), args=[quote(run.pk)])
+            context["durable_retry_url"] = reverse("admin:{}_{}_retry".format(*info), args=[quote(run.pk)])
+        return super().change_view(request, object_id, form_url, context)
+
+    def cancel_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        return self._confirmed(
+            request,
+            object_id,
+            verb="cancel",
+            question="Cancel this run?",
+            consequence="It stops at its next step boundary and frees its slots at once; its children are cancelled too.",
+            perform=self.cancel,
+        )
+
+    def retry_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        return self._confirmed(
+            request,
+            object_id,
+            verb="retry",
+            question="Retry this run?",
+            consequence="It starts again under its workflow's quota (refused if the key is full); "
+            "its completed steps are kept and the failed step runs again.",
+            perform=self.retry,
+        )
+
+    def _confirmed(
+        self, request: HttpRequest, object_id: str, *, verb: str, question: str, consequence: str, perform: Any
+    ) -> HttpResponse:
+        """GET: a confirmation page. POST (with the CSRF token): ``perform`` on the run, then back to its page.
+
+        Requires the permission the changelist actions require ("change workflow run").
+        """
+        if not self.has_change_permission(request):
+            raise PermissionDenied
+        run = self.get_object(request, unquote(object_id))
+        if run is None:
+            raise Http404(f"No run with primary key {object_id!r}.")
+        change_url = reverse("admin:durable_workflowrun_change", args=[quote(run.pk)])
+        if request.method == "POST":
+            perform(request, [run])
+            return HttpResponseRedirect(change_url)
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"{verb.capitalize()} run {run.run_id}?",
+            "opts": self.opts,
+            "run": run,
+            "keys": sorted(t for t in run.tags.values_list("tag", flat=True) if t.startswith(TAG_PREFIX)),
+            "verb": verb,
+            "question": question,
+            "consequence": consequence,
+            "change_url": change_url,
+        }
+        return TemplateResponse(request, "admin/durable/workflowrun/confirm.html", context)
 
     # -- changelist ----------------------------------------------------------------
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
@@ -220,6 +355,88 @@ class WorkflowRunAdmin(admin.ModelAdmin):
     input_json = json_column("input")
     output_json = json_column("output")
     error_json = json_column("error")
+    created = time_column("created_at", "created")
+    dispatched = time_column("dispatched_at", "dispatched")
+    started = time_column("started_at", "started")
+    heartbeat = time_column("heartbeat_at", "heartbeat")
+    updated = time_column("updated_at", "updated")
+    finished = time_column("finished_at", "finished")
+    wake = time_column("wake_at", "wakes at")
+    created_short = time_column("created_at", "created", compact=True)
+    finished_short = time_column("finished_at", "finished", compact=True)
+
+    @admin.display(description="workflow", ordering="workflow")
+    def workflow_version(self, run: models.WorkflowRun) -> SafeString:
+        namespace = (
+            format_html('<br><span class="durable-quiet">namespace {}</span>', run.namespace)
+            if run.namespace != "default"
+            else ""
+        )
+        return format_html("{} v{}{}", run.workflow, run.version, namespace)
+
+    @admin.display(description="status", ordering="status")
+    def status_mark(self, run: models.WorkflowRun) -> SafeString:
+        attempt = format_html('<br><span class="durable-quiet">attempt {}</span>', run.attempt) if run.attempt > 1 else ""
+        return format_html('<span class="durable-status durable-status-{}">{}</span>{}', run.status, run.status, attempt)
+
+    @admin.display(description="keys")
+    def keys(self, run: models.WorkflowRun) -> SafeString | str:
+        """The run's concurrency keys (read for the whole page at once by the changelist)."""
+        found = getattr(run, "concurrency_keys", None)
+        if found is None:
+            found = [t[len(TAG_PREFIX) :] for t in run.tags.filter(tag__startswith=TAG_PREFIX).values_list("tag", flat=True)]
+        links = ((reverse("admin:durable_concurrencylock_change", args=[quote(key)]), key) for key in found)
+        return format_html_join(mark_safe("<br>"), '<a class="durable-keys" href="{}">{}</a>', links)
+
+    @admin.display(description="took")
+    def took(self, run: models.WorkflowRun) -> SafeString:
+        return format_html('<span class="durable-took">{}</span>', run_duration(run))
+
+    @admin.display(description="now")
+    def current_step(self, run: models.WorkflowRun) -> SafeString | str:
+        """What an unfinished run is doing, from its journal and status.
+
+        The journal records a step when it finishes, not when it begins: a
+        running run executes the step after its last journaled one (the
+        position is known, its name only once it is journaled).
+        """
+        if run.status in TERMINAL_STATUSES:
+            return ""
+        last = run.steps.order_by("-position").only("position", "name", "finished_at").first()
+        after = format_html(', after step #{} "{}"', last.position, last.name) if last else ", its first"
+        if run.status == RunStatus.RUNNING:
+            # When the executing step began is not stored: say when the journal last moved.
+            since: SafeString | str
+            if last is not None and last.finished_at is not None:
+                since = format_html("step #{} finished {} ago", last.position, age(last.finished_at))
+            else:
+                since = format_html("the run started {} ago", age(run.started_at)) if run.started_at else ""
+            return format_html(
+                '<span class="durable-current">&#9654; executing step #{}{} ({}; worker {}); '
+                "its name is journaled when it finishes</span>",
+                last.position + 1 if last else 0,
+                after,
+                since,
+                run.worker or "unknown",
+            )
+        if run.status == RunStatus.SUSPENDED:
+            wakes = format_html(", wakes in {}", duration(run.wake_at - timezone.now())) if run.wake_at else ""
+            return format_html(
+                '<span class="durable-current">suspended at step #{}: waiting for {}{}</span>',
+                last.position if last else 0,
+                run.waiting_for or "?",
+                wakes,
+            )
+        if run.status == RunStatus.QUEUED:
+            return format_html('<span class="durable-current">queued for a slot of its key for {}</span>', age(run.created_at))
+        if run.status == RunStatus.BLOCKED:
+            return format_html(
+                '<span class="durable-current">blocked: no live worker serves queue {}</span>', run.queue or "default"
+            )
+        return format_html(
+            '<span class="durable-current">pending: waiting for a worker to pick it up (next step #{})</span>',
+            last.position + 1 if last else 0,
+        )
 
     @admin.display(description="tags")
     def tag_list(self, run: models.WorkflowRun) -> SafeString | str:
@@ -236,11 +453,20 @@ class WorkflowRunAdmin(admin.ModelAdmin):
     # -- actions ---------------------------------------------------------------------
     @admin.action(description="Cancel selected runs", permissions=["change"])
     def cancel_runs(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        self.cancel(request, _selected(queryset))
+
+    @admin.action(description="Retry selected runs", permissions=["change"])
+    def retry_runs(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        """Start failed, dead and cancelled runs again (oldest first), each under its quota."""
+        self.retry(request, _selected(queryset))
+
+    def cancel(self, request: HttpRequest, runs: Sequence[models.WorkflowRun]) -> None:
+        """Cancel ``runs`` through the engine and say what happened (the action and the button)."""
         engine = self.get_engine()
         cancelled: list[str] = []
         finished: list[str] = []
         missing: list[str] = []
-        for run in _selected(queryset):
+        for run in runs:
             run_id = run.run_id
             try:
                 engine.cancel(run_id)
@@ -270,15 +496,14 @@ class WorkflowRunAdmin(admin.ModelAdmin):
             )
         self._report_missing(request, missing)
 
-    @admin.action(description="Retry selected runs", permissions=["change"])
-    def retry_runs(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
-        """Start failed, dead and cancelled runs again (oldest first), each under its quota."""
+    def retry(self, request: HttpRequest, runs: Sequence[models.WorkflowRun]) -> None:
+        """Retry ``runs`` through the engine, each under its quota, and say what happened."""
         engine = self.get_engine()
         retried: list[str] = []
         not_retryable: list[str] = []
         refused: list[str] = []
         missing: list[str] = []
-        for run in _selected(queryset):
+        for run in runs:
             run_id, status = run.run_id, run.status
             if status not in RETRYABLE_STATUSES:
                 not_retryable.append(f"{run_id} ({status})")
