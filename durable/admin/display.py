@@ -29,13 +29,28 @@ def pretty_json(value: Any) -> SafeString | str:
     return format_html('<pre style="margin:0; white-space:pre-wrap">{}</pre>', text)
 
 
+def pretty_error(value: Any) -> SafeString | str:
+    """An ``error`` as ``pretty_json``, its ``traceback`` (when it has one) set below
+    as the text it is, one frame a line, rather than a JSON string full of ``\\n``."""
+    if not (isinstance(value, dict) and isinstance(value.get("traceback"), str)):
+        return pretty_json(value)
+    rest = {name: item for name, item in value.items() if name != "traceback"}
+    return format_html(
+        '{}<pre class="durable-traceback" style="margin:0.5em 0 0; white-space:pre-wrap">{}</pre>',
+        pretty_json(rest),
+        value["traceback"],
+    )
+
+
 def json_column(field: str) -> Callable[[Any, Any], SafeString | str]:
     """An admin display method showing the JSON ``field`` of a row with ``pretty_json``
-    (``output_json = json_column("output")`` in a ``ModelAdmin`` or an inline)."""
+    (``output_json = json_column("output")`` in a ``ModelAdmin`` or an inline); the
+    ``error`` field with ``pretty_error``."""
+    render = pretty_error if field == "error" else pretty_json
 
     @admin.display(description=field)
     def show(model_admin: Any, obj: Any) -> SafeString | str:
-        return pretty_json(getattr(obj, field))
+        return render(getattr(obj, field))
 
     return show
 

@@ -112,6 +112,7 @@ def test_the_celery_task_of_a_failed_run_succeeds_and_the_failure_is_logged(capl
 @pytest.mark.django_db
 def test_the_admin_and_the_api_show_a_failed_runs_traceback(admin_client: Any, admin_user: Any) -> None:
     from django.urls import reverse
+    from django.utils.html import escape
     from rest_framework.test import APIClient
 
     from durable import models
@@ -125,6 +126,8 @@ def test_the_admin_and_the_api_show_a_failed_runs_traceback(admin_client: Any, a
     assert page.status_code == 200
     content = page.content.decode()
     assert "Traceback (most recent call last):" in content and "no retry for this" in content
+    # Set as text, one frame a line, not as a JSON string with its newlines escaped.
+    assert f'<pre class="durable-traceback" style="margin:0.5em 0 0; white-space:pre-wrap">{escape(traceback)}</pre>' in content
 
     api = APIClient()
     api.force_authenticate(admin_user)
