@@ -10,6 +10,7 @@ access, so ``override_settings(DURABLE=...)`` works in tests.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -56,6 +57,10 @@ class Defaults:
     #: (``every``) below it is refused, and so is a cron expression with two
     #: ticks closer than it. 60 is cron's own finest step (every minute).
     SCHEDULE_MIN_INTERVAL: int = 60
+    #: Delete finished runs once they are this old, on each sweep (a bounded batch):
+    #: None (keep every run), one duration for every finished status ("30d"), or
+    #: a dictionary by status ({"completed": "7d", "failed": "90d"}). See ``durable.retention``.
+    RETENTION: str | Mapping[str, str | None] | None = None
 
 
 class _Settings:
