@@ -157,6 +157,8 @@ def purge_batch(
     from ``after`` on) in one transaction; return their run ids and the cursor of
     the next batch (None: none left)."""
     connection = connections[using]
+    # A list of parameters per statement off PostgreSQL: at most what the database takes (999 on SQLite).
+    limit = min(limit, connection.features.max_query_params or limit) if connection.vendor != "postgresql" else limit
     with transaction.atomic(using=using):
         qs = purgeable(status, before, using=using, namespace=namespace).order_by("finished_at", "id")
         if after is not None:

@@ -136,3 +136,17 @@ def test_the_database_purge_deletes_the_rows_of_the_runs() -> None:
     assert not models.StepRecord.objects.filter(run_id=run.pk).exists()
     assert not models.Signal.objects.filter(run_id=run.pk).exists()
     assert list(models.RunTag.objects.values_list("run_id", flat=True)) == [kept.pk]
+
+
+@pytest.mark.django_db
+def test_a_batch_is_no_bigger_than_the_database_takes_parameters(monkeypatch: Any) -> None:
+    from django.db import connection
+
+    monkeypatch.setattr(connection.features, "max_query_params", 3)
+    if connection.vendor == "postgresql":
+        pytest.skip("one array parameter per statement on PostgreSQL")
+    for _ in range(5):
+        WorkflowRunFactory(status="completed", finished_at=timezone.now() - timedelta(days=2))
+    run_ids, cursor = retention.purge_batch("completed", timezone.now() - timedelta(days=1), limit=5000)
+    assert len(run_ids) == 3 and cursor is not None
+    assert retention.purge({"completed": timezone.now() - timedelta(days=1)}) == {"completed": 2}
