@@ -7,9 +7,10 @@ from typing import Any
 
 from django.conf import settings as django_settings
 from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
-from durable import conf
+from durable import conf, retention
 
 
 @checks.register(checks.Tags.database, deploy=False)
@@ -63,6 +64,17 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                     id="durable.E003",
                 )
             )
+    try:
+        retention.retention_policy()
+    except ImproperlyConfigured as exc:
+        errors.append(
+            checks.Error(
+                str(exc),
+                hint="Set it to None, one duration such as '30d', or a dictionary by finished status such as "
+                "{'completed': '7d', 'failed': '90d'} (durations: a whole number followed by d, h, m or s).",
+                id="durable.E004",
+            )
+        )
     handler = getattr(django_settings, "REST_FRAMEWORK", {}).get("EXCEPTION_HANDLER")
     if handler is not None and "durable" not in str(handler):
         errors.append(

@@ -10,6 +10,7 @@ access, so ``override_settings(DURABLE=...)`` works in tests.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -63,6 +64,10 @@ class Defaults:
     #: gauges export at most (in key order), read from the database at each
     #: scrape. 0: no such gauges.
     PROMETHEUS_ACTIVE_RUNS_KEYS: int = 0
+    #: Delete finished runs once they are this old, on each sweep (a bounded batch):
+    #: None (keep every run), one duration for every finished status ("30d"), or
+    #: a dictionary by status ({"completed": "7d", "failed": "90d"}). See ``durable.retention``.
+    RETENTION: str | Mapping[str, str | None] | None = None
 
 
 class _Settings:

@@ -6,7 +6,7 @@ from django.db import models
 from django.db.models.functions import Now
 
 from durable.querysets import RunQuerySet, RunTagQuerySet
-from durable.status import ACTIVE_STATUSES, RunStatus
+from durable.status import ACTIVE_STATUSES, TERMINAL_STATUSES, RunStatus
 
 
 class WorkflowRun(models.Model):
@@ -65,6 +65,13 @@ class WorkflowRun(models.Model):
                 fields=["status", "heartbeat_at"],
                 name="durable_run_active_idx",
                 condition=models.Q(status__in=ACTIVE_STATUSES),
+            ),
+            # A purge (and RETENTION) reads the finished runs of one status, oldest
+            # finished first: one range of this index per batch.
+            models.Index(
+                fields=["status", "finished_at", "id"],
+                name="durable_run_finished_idx",
+                condition=models.Q(status__in=sorted(TERMINAL_STATUSES)),
             ),
             models.Index(
                 fields=["wake_at"],

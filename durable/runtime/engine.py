@@ -511,7 +511,8 @@ class Engine:
     def sweep(self) -> dict[str, list[str]]:
         """The periodic backstop: re-send orphaned runs (dead worker) and undelivered
         ones (lost message), wake due sleepers, start queued runs whose keys have
-        room, and block or unblock runs of remote queues."""
+        room, block or unblock runs of remote queues, and delete a bounded batch of
+        finished runs past ``DURABLE["RETENTION"]``."""
         return self.executor.sweep()
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from django import db
 from django.utils import timezone
 
-from durable import exceptions, signals
+from durable import exceptions, retention, signals
 from durable.concurrency import Quota
 from durable.conf import settings
 from durable.runtime.context import WorkflowContext
@@ -359,6 +359,7 @@ class Executor:
         if promoted:
             logger.warning("Sweep started %d queued runs whose keys had room.", len(promoted))
         blocked, unblocked = self.check_remote_queues()
+        purged = self._apply_retention(now)
         return {
             "orphaned": [r.run_id for r in orphaned],
             "undelivered": [r.run_id for r in undelivered],
@@ -366,7 +367,24 @@ class Executor:
             "promoted": promoted,
             "blocked": blocked,
             "unblocked": unblocked,
+            "purged": purged,
         }
+
+    def _apply_retention(self, now: datetime) -> list[str]:
+        """Delete one bounded batch of finished runs past ``RETENTION`` (last, so a
+        failure here never holds up recovery: it is logged, and the next sweep tries again)."""
+        try:
+            policy = retention.retention_policy()
+            if not policy:
+                return []
+            purged = self.store.purge_finished(retention.expired(now, policy), limit=retention.SWEEP_BATCH_SIZE)
+        except Exception:
+            self._recover()
+            logger.exception("Sweep could not delete the finished runs past DURABLE['RETENTION'].")
+            return []
+        if purged:
+            logger.info("Sweep deleted %d finished runs past DURABLE['RETENTION'].", len(purged))
+        return purged
 
     # -- remote workflows ------------------------------------------------------------------------
     def check_remote_queues(self, live_queues: Sequence[str] | None = None, *, block: bool = True) -> tuple[list[str], list[str]]:

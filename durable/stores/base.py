@@ -288,6 +288,13 @@ class BaseStore:
         raise NotImplementedError
 
     # -- connections -----------------------------------------------------------
+    def purge_finished(self, before: Mapping[str, datetime], *, limit: int) -> list[str]:
+        """Delete at most ``limit`` finished runs (``before``: ``{terminal status:
+        finished before}``) with their steps, tags and signals, never one with an
+        unfinished child; return their run ids. The sweeper's ``RETENTION``.
+        Default: delete nothing (the store keeps every run)."""
+        return []
+
     def recover(self) -> bool:
         """After an error of the store's own calls: drop a connection it left unusable,
         so that the next call opens a fresh one. Default: nothing to do."""

@@ -688,6 +688,12 @@ class DjangoStore(BaseStore):
     def mark_dispatched(self, run_ids: Sequence[str]) -> None:
         self._runs().filter(run_id__in=list(run_ids)).update(dispatched_at=timezone.now(), redispatches=F("redispatches") + 1)
 
+    def purge_finished(self, before: Mapping[str, datetime], *, limit: int) -> list[str]:
+        """Batches of ``durable.retention`` (raw ``DELETE ... IN`` per table, runs locked and read again)."""
+        from durable import retention
+
+        return retention.purge_some(before, limit=limit, using=self.using)
+
     def release_thread(self) -> None:
         """Close this thread's connection (called by helper threads when they end)."""
         with contextlib.suppress(OperationalError, InterfaceError):  # a broken connection is gone already

@@ -351,6 +351,32 @@ class InMemoryStore(BaseStore):
                     self._runs[run_id].dispatched_at = timezone.now()
                     self._runs[run_id].redispatches += 1
 
+    def purge_finished(self, before: Mapping[str, datetime], *, limit: int) -> list[str]:
+        with self._lock:
+            unfinished_parents = {r.parent_run_id for r in self._runs.values() if r.status not in TERMINAL_STATUSES}
+            order = {status: i for i, status in enumerate(before)}
+            expired = sorted(
+                (
+                    r
+                    for r in self._runs.values()
+                    if r.status in before
+                    and r.finished_at is not None
+                    and r.finished_at < before[r.status]
+                    and r.run_id not in unfinished_parents
+                ),
+                key=lambda r: (order[r.status], r.finished_at),
+            )[:limit]
+            for run in expired:
+                del self._runs[run.run_id]
+                self._steps.pop(run.run_id, None)
+                self._signals.pop(run.run_id, None)
+                self._groups.pop(run.run_id, None)
+            gone = {run.run_id for run in expired}
+            for run in self._runs.values():
+                if run.parent_run_id in gone:
+                    run.parent_run_id = None
+            return [run.run_id for run in expired]
+
 
 def _redispatch_due(run: RunRecord, dispatched_before: Sequence[datetime]) -> bool:
     before = dispatched_before[min(run.redispatches, len(dispatched_before) - 1)]

@@ -1,6 +1,6 @@
 -- durable_claim, durable_record_step, durable_end (and durable_finish): each
 -- state change of an execution in one round trip (PostgreSQL). Installed by
--- migration 0008, durable_end added by 0016; a change here needs a new file in
+-- migration 0008, durable_end added by 0014; a change here needs a new file in
 -- durable/sql/migrations/ and a migration that runs it. Each is the
 -- compare-and-set of the DjangoStore method of the same name on other databases;
 -- times come from the caller (p_now), as the ORM path takes them from the

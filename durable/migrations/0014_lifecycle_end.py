@@ -4,14 +4,14 @@ hand-off call that would find nothing to hand on (a one-step run is then three
 round trips, not four). ``durable_finish`` is kept unchanged for workers of the
 previous release while a deploy rolls.
 
-Runs ``sql/migrations/0016_lifecycle.sql``; reversing drops ``durable_end``.
+Runs ``sql/migrations/0014_lifecycle.sql``; reversing drops ``durable_end``.
 """
 
 from pathlib import Path
 
 from django.db import migrations
 
-SQL = (Path(__file__).resolve().parent.parent / "sql" / "migrations" / "0016_lifecycle.sql").read_text()
+SQL = (Path(__file__).resolve().parent.parent / "sql" / "migrations" / "0014_lifecycle.sql").read_text()
 
 
 def create(apps, schema_editor):
@@ -25,6 +25,6 @@ def drop(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-    dependencies = [("durable", "0011_admit_refusal")]
+    dependencies = [("durable", "0013_finished_index")]
 
     operations = [migrations.RunPython(create, drop, elidable=False)]
