@@ -68,6 +68,23 @@ def test_starts_and_finished_runs_are_counted_per_workflow(metrics: Any, queued:
     assert f'durable_runs_finished_total{{status="failed",workflow="{name}"}} 1.0' in exposition
 
 
+def test_django_prometheus_metrics_view_exports_them(metrics: Any, queued: Engine) -> None:
+    """django-prometheus's ``/metrics`` view (``ExportToDjangoView``) serves the default
+    registry, so durable's series appear there with nothing else to configure."""
+    exports = pytest.importorskip("django_prometheus.exports", reason="django-prometheus is not installed")
+    from django.test import RequestFactory
+
+    name = f"prom.{uuid.uuid4().hex[:8]}"
+    queued.register(name, "1", lambda ctx, input: None)
+    queued.execute(queued.start(name).run_id)
+    response = exports.ExportToDjangoView(RequestFactory().get("/metrics"))
+    assert response.status_code == 200
+    body = response.content.decode()
+    assert f'durable_starts_total{{outcome="admitted",workflow="{name}"}} 1.0' in body
+    assert f'durable_runs_finished_total{{status="completed",workflow="{name}"}} 1.0' in body
+    assert f'durable_run_duration_seconds_count{{workflow="{name}"}} 1.0' in body
+
+
 def test_a_start_created_cancelled_is_counted(metrics: Any, queued: Engine) -> None:
     name = f"prom.{uuid.uuid4().hex[:8]}"
     queued.register(name, "1", lambda ctx, input: None, Concurrency(key=f"{name}:k", limit=1, strategy=Strategy.CANCEL_NEWEST))
