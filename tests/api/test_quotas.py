@@ -64,6 +64,8 @@ def test_quota_detail_counts_only_the_counted_statuses(api: APIClient) -> None:
         "active": 1,
         "queued": 1,
         "limit": 5,
+        "code_limit": 5,
+        "limit_override": None,
         "count_statuses": ["running"],
         "oldest_active_at": response.json()["oldest_active_at"],
         "oldest_queued_at": response.json()["oldest_queued_at"],
