@@ -5,8 +5,9 @@ under the key's lock) and ``LimitChange`` records every change of it;
 ``ConcurrencyLock.recent_durations`` keeps the durations of the key's last runs.
 Runs ``sql/migrations/0012_admit.sql`` and ``0012_queue.sql`` (``durable_admit``
 and ``durable_admit_queued`` read the override and answer the estimate,
-``durable_promote`` reads the override); reversing drops the first two and runs
-0011's and 0010's files again.
+``durable_promote`` reads the override) and ``0012_lifecycle.sql``
+(``durable_finish`` records the durations); reversing drops the first two and
+runs 0011's, 0010's and 0008's files again.
 """
 
 from pathlib import Path
@@ -21,7 +22,7 @@ SQL_DIR = Path(__file__).resolve().parent.parent / "sql" / "migrations"
 
 def create(apps, schema_editor):
     if schema_editor.connection.vendor == "postgresql":
-        for name in ("0012_admit.sql", "0012_queue.sql"):
+        for name in ("0012_admit.sql", "0012_queue.sql", "0012_lifecycle.sql"):
             schema_editor.execute((SQL_DIR / name).read_text())
 
 
@@ -31,7 +32,7 @@ def restore(apps, schema_editor):
             "DROP FUNCTION IF EXISTS durable_admit(jsonb, text, text, text, text, text, jsonb, text, text, boolean);"
             " DROP FUNCTION IF EXISTS durable_admit_queued(jsonb, text, text, text, text, text, jsonb, text, text, boolean, jsonb);"
         )
-        for name in ("0011_admit_refusal.sql", "0010_queue.sql"):
+        for name in ("0011_admit_refusal.sql", "0010_queue.sql", "0008_lifecycle.sql"):
             schema_editor.execute((SQL_DIR / name).read_text())
 
 

@@ -1,5 +1,6 @@
 -- durable_claim, durable_record_step, durable_finish: each state change of an
--- execution in one round trip (PostgreSQL). Installed by migration 0008; a
+-- execution in one round trip (PostgreSQL). Installed by migration 0012 (0008
+-- installed the first version); a
 -- change here needs a new file in durable/sql/migrations/ and a migration that
 -- runs it. Each is the compare-and-set of the DjangoStore method of the same
 -- name on other databases; times come from the caller (p_now), as the ORM
@@ -83,7 +84,11 @@ $$;
 
 -- durable_finish: end a run running under p_lease with p_status (clearing the
 -- lease), mirror the status on its tags; false when the run no longer belongs
--- to p_lease.
+-- to p_lease. In the same statement as the tags, append the time the run held
+-- each key's slot (now minus its tag's creation) to the key's recent_durations
+-- (the last 16, what a refusal's Retry-After is estimated from), skipping a row
+-- another transaction holds locked (a starter of the key): a finish never waits
+-- for admission, at the price of a duration not recorded.
 CREATE OR REPLACE FUNCTION durable_finish(
     p_run_id text,
     p_lease text,
@@ -103,7 +108,21 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    UPDATE durable_runtag t SET status = p_status WHERE t.run_id = v_pk;
+    WITH held AS (
+        UPDATE durable_runtag t SET status = p_status WHERE t.run_id = v_pk
+        RETURNING substr(t.tag, 13) AS key, left(t.tag, 12) = 'concurrency:' AS quota,
+                  round(greatest(extract(epoch FROM p_now - t.created_at), 0)::numeric, 3) AS seconds
+    ), free AS (
+        SELECT l.key, h.seconds FROM durable_concurrencylock l JOIN held h ON h.quota AND l.key = h.key
+           FOR UPDATE OF l SKIP LOCKED
+    )
+    UPDATE durable_concurrencylock l
+       SET recent_durations = CASE
+               WHEN jsonb_array_length(COALESCE(l.recent_durations, '[]'::jsonb)) >= 16
+               THEN (l.recent_durations - 0) || to_jsonb(f.seconds)
+               ELSE COALESCE(l.recent_durations, '[]'::jsonb) || to_jsonb(f.seconds) END
+      FROM free f
+     WHERE l.key = f.key;
     RETURN true;
 END;
 $$;
