@@ -121,6 +121,10 @@ class ConcurrencyLock(models.Model):
     #: Seconds the key's last runs held their slot (creation to finish), oldest
     #: first, at most ``durable.stores.base.RECENT_DURATIONS``: what a refusal's ``Retry-After`` is estimated from.
     recent_durations = models.JSONField(null=True, blank=True)
+    #: When the last of ``recent_durations`` was recorded: a finish records one at
+    #: most every ``durable.stores.base.DURATION_EVERY`` seconds per key, so the
+    #: key's row is not rewritten by every finish of a busy key.
+    durations_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         verbose_name = "concurrency quota"

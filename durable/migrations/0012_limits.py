@@ -54,6 +54,11 @@ class Migration(migrations.Migration):
             name='recent_durations',
             field=models.JSONField(blank=True, null=True),
         ),
+        migrations.AddField(
+            model_name='concurrencylock',
+            name='durations_at',
+            field=models.DateTimeField(blank=True, null=True),
+        ),
         migrations.CreateModel(
             name='LimitChange',
             fields=[

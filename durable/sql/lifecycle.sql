@@ -86,9 +86,12 @@ $$;
 -- lease), mirror the status on its tags; false when the run no longer belongs
 -- to p_lease. In the same statement as the tags, append the time the run held
 -- each key's slot (now minus its tag's creation) to the key's recent_durations
--- (the last 16, what a refusal's Retry-After is estimated from), skipping a row
+-- (the last 16, what a refusal's Retry-After is estimated from): a sample, only
+-- when the key's last one is a second old or more (durations_at), so a busy key's
+-- row is not rewritten by every finish (each rewrite is a new row version that
+-- every admission of the key reads past until it is pruned), and skipping a row
 -- another transaction holds locked (a starter of the key): a finish never waits
--- for admission, at the price of a duration not recorded.
+-- for admission.
 CREATE OR REPLACE FUNCTION durable_finish(
     p_run_id text,
     p_lease text,
@@ -114,10 +117,12 @@ BEGIN
                   round(greatest(extract(epoch FROM p_now - t.created_at), 0)::numeric, 3) AS seconds
     ), free AS (
         SELECT l.key, h.seconds FROM durable_concurrencylock l JOIN held h ON h.quota AND l.key = h.key
+         WHERE l.durations_at IS NULL OR l.durations_at <= p_now - interval '1 second'
            FOR UPDATE OF l SKIP LOCKED
     )
     UPDATE durable_concurrencylock l
-       SET recent_durations = CASE
+       SET durations_at = p_now,
+           recent_durations = CASE
                WHEN jsonb_array_length(COALESCE(l.recent_durations, '[]'::jsonb)) >= 16
                THEN (l.recent_durations - 0) || to_jsonb(f.seconds)
                ELSE COALESCE(l.recent_durations, '[]'::jsonb) || to_jsonb(f.seconds) END

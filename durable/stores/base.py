@@ -344,6 +344,10 @@ def group_keys(tags: Sequence[str]) -> dict[str, str]:
 
 #: How many run durations a key keeps for its ``Retry-After`` estimate.
 RECENT_DURATIONS = 16
+#: A finish records its run's duration only when the key's last one is at least
+#: this many seconds old: a sample, which keeps a busy key's row from being
+#: rewritten (and its lock taken) by every finish.
+DURATION_EVERY = 1.0
 
 
 def add_duration(durations: Sequence[float] | None, seconds: float) -> list[float]:

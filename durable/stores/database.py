@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from django.db import IntegrityError, InterfaceError, OperationalError, connections, transaction
@@ -21,6 +21,7 @@ from durable import conf, exceptions
 from durable.concurrency import TAG_PREFIX, Quota
 from durable.status import TERMINAL_STATUSES, RunStatus
 from durable.stores.base import (
+    DURATION_EVERY,
     BaseStore,
     LimitChangeRecord,
     RunExists,
@@ -538,8 +539,9 @@ class DjangoStore(BaseStore):
         tags = self._tags().filter(run__run_id=run_id, tag__startswith=TAG_PREFIX).values_list("tag", "created_at")
         held = {tag[len(TAG_PREFIX) :]: (now - created).total_seconds() for tag, created in tags}
         locks = models.ConcurrencyLock.objects.using(self.using)
-        for key, durations in locks.filter(key__in=list(held)).values_list("key", "recent_durations"):
-            locks.filter(key=key).update(recent_durations=add_duration(durations, held[key]))
+        due = Q(durations_at__isnull=True) | Q(durations_at__lte=now - timedelta(seconds=DURATION_EVERY))
+        for key, durations in locks.filter(due, key__in=list(held)).values_list("key", "recent_durations"):
+            locks.filter(key=key).update(recent_durations=add_duration(durations, held[key]), durations_at=now)
 
     def retry(self, run_id: str, *, from_statuses: Sequence[str], tags: Sequence[str]) -> bool:
         models = _models()

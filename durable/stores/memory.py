@@ -19,6 +19,7 @@ from django.utils import timezone
 from durable.concurrency import TAG_PREFIX, Quota
 from durable.status import TERMINAL_STATUSES, RunStatus
 from durable.stores.base import (
+    DURATION_EVERY,
     BaseStore,
     LimitChangeRecord,
     RunExists,
@@ -46,6 +47,7 @@ class InMemoryStore(BaseStore):
         self._overrides: dict[str, int] = {}
         self.limit_changes: list[LimitChangeRecord] = []
         self._durations: dict[str, list[float]] = {}
+        self._durations_at: dict[str, datetime] = {}
 
     # -- reads -------------------------------------------------------------
     def get_run(self, run_id: str) -> RunRecord | None:
@@ -224,9 +226,11 @@ class InMemoryStore(BaseStore):
             if run is not None and run.created_at is not None:
                 # The time its slots were held, for the keys' Retry-After estimates.
                 for tag in run.tags:
-                    if tag.startswith(TAG_PREFIX):
-                        key = tag[len(TAG_PREFIX) :]
+                    key = tag[len(TAG_PREFIX) :]
+                    last = self._durations_at.get(key)
+                    if tag.startswith(TAG_PREFIX) and (last is None or (now - last).total_seconds() >= DURATION_EVERY):
                         self._durations[key] = add_duration(self._durations.get(key), (now - run.created_at).total_seconds())
+                        self._durations_at[key] = now
             return done
 
     def retry(self, run_id: str, *, from_statuses: Sequence[str], tags: Sequence[str]) -> bool:

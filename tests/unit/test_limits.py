@@ -290,6 +290,22 @@ def test_a_refusal_estimates_retry_after_from_the_keys_finished_runs(engine: Eng
     assert info.value.retry_after == 20
 
 
+def test_a_finish_records_a_duration_at_most_once_a_second_per_key(engine: Engine) -> None:
+    register(engine, limit=5)
+    runs = [start(engine) for _ in range(3)]
+    for run in runs:
+        _claim_and_finish(engine, run.run_id)
+    assert len(_durations(engine, "tenant:acme")) == 1  # the first; the others came within the second
+
+
+def _durations(engine: Engine, key: str) -> list[float]:
+    if isinstance(engine.store, InMemoryStore):
+        return engine.store._durations.get(key, [])
+    from durable.models import ConcurrencyLock
+
+    return ConcurrencyLock.objects.get(key=key).recent_durations or []
+
+
 def test_a_full_queue_estimates_retry_after_too(engine: Engine, settings: Any) -> None:
     settings.DURABLE = {"RETRY_AFTER": 3}
     register(engine, limit=1, strategy=Strategy.GROUP_ROUND_ROBIN, max_queued=1)
