@@ -9,10 +9,10 @@
 -- row's lock (step 2), so a change committed before a start applies to it.
 -- p_run_id_given: the caller chose p_run_id (an idempotent start), rather than a fresh id.
 -- Returns one row: outcome 'created' (with the run's id), 'full' (key, limit in
--- effect, active of the first full key, and retry_after: the seconds until one of
--- its slots should free, estimated as the median of the key's recent run durations
--- (recent_durations, kept by durable_finish) minus the age of its oldest run in
--- flight; NULL when nothing is measured) or 'exists' (the run id is taken).
+-- effect, active of the first full key, and what the Retry-After estimate is made
+-- of: durations, the key's recent run durations (recent_durations, kept by
+-- durable_finish), and oldest_age, the seconds its oldest run in flight has held
+-- its slot) or 'exists' (the run id is taken).
 --
 -- 1. Refuse at once, without waiting for any lock, when a key is already full:
 --    the committed count says so, and nothing is created.
@@ -31,7 +31,7 @@
 -- insert the run id (ON CONFLICT DO NOTHING waits for that transaction), and
 -- answers 'exists' when it is taken, else deletes its row and answers 'full'.
 -- A start without a run id of its own refuses exactly as before: one statement.
--- 0012 added the column retry_after to the result: the function is dropped first.
+-- 0012 added the columns durations and oldest_age to the result: the function is dropped first.
 DROP FUNCTION IF EXISTS durable_admit(jsonb, text, text, text, text, text, jsonb, text, text, boolean);
 CREATE OR REPLACE FUNCTION durable_admit(
     p_quotas jsonb,
@@ -45,16 +45,21 @@ CREATE OR REPLACE FUNCTION durable_admit(
     p_queue text,
     p_run_id_given boolean
 ) RETURNS TABLE (
-    outcome text, full_key text, full_limit integer, active bigint, run_pk bigint, retry_after double precision
+    outcome text, full_key text, full_limit integer, active bigint, run_pk bigint, durations jsonb,
+    oldest_age double precision
 )
-LANGUAGE plpgsql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE
+-- Generic plans: with custom plans (the default) PostgreSQL planned some of its
+-- statements again at every call, which doubled the time of a refusal (measured).
+SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     q jsonb;
     v_key text;
     v_limit integer;
     v_code_limit integer;
     v_override integer;
-    v_estimate double precision;
+    v_durations jsonb;
+    v_oldest_age double precision;
     v_statuses text[];
     v_active bigint;
     v_full boolean := false;
@@ -115,7 +120,7 @@ BEGIN
         RETURNING id INTO v_pk;
         IF v_pk IS NULL THEN
             RETURN QUERY SELECT 'exists'::text, NULL::text, NULL::integer, NULL::bigint, NULL::bigint,
-                                NULL::double precision;
+                                NULL::jsonb, NULL::double precision;
             RETURN;
         END IF;
     END IF;
@@ -144,20 +149,19 @@ BEGIN
         END IF;
         -- The estimate of Retry-After, on the full key (its in-flight runs are few: at most its limit).
         IF v_limit > 0 THEN
-            SELECT (SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY d.value::double precision)
-                      FROM durable_concurrencylock l, jsonb_array_elements_text(l.recent_durations) AS d
-                     WHERE l.key = v_key)
-                   - COALESCE(extract(epoch FROM now() - min(t.created_at)), 0)
-              INTO v_estimate FROM durable_runtag t
+            SELECT (SELECT l.recent_durations FROM durable_concurrencylock l WHERE l.key = v_key),
+                   extract(epoch FROM now() - min(t.created_at))
+              INTO v_durations, v_oldest_age FROM durable_runtag t
              WHERE t.tag = 'concurrency:' || v_key AND t.status = ANY (v_statuses)
                AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
         END IF;
-        RETURN QUERY SELECT 'full'::text, v_key, v_limit, v_active, NULL::bigint, v_estimate;
+        RETURN QUERY SELECT 'full'::text, v_key, v_limit, v_active, NULL::bigint, v_durations, v_oldest_age;
         RETURN;
     END IF;
     INSERT INTO durable_runtag (run_id, tag, status, namespace, group_key)
     SELECT v_pk, 'concurrency:' || (e->>'key'), 'pending', p_namespace, e->>'group'
       FROM jsonb_array_elements(p_quotas) AS e;
-    RETURN QUERY SELECT 'created'::text, NULL::text, NULL::integer, NULL::bigint, v_pk, NULL::double precision;
+    RETURN QUERY SELECT 'created'::text, NULL::text, NULL::integer, NULL::bigint, v_pk, NULL::jsonb,
+                        NULL::double precision;
 END;
 $$;

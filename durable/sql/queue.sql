@@ -26,8 +26,8 @@
 --   'queue_full' (ConcurrencyQueueFullError) with full_key, full_limit, active,
 --     queued, max_queued;
 --   'exists': the run id is taken.
--- retry_after (a 'full' for reason 'limit', or a 'queue_full'): the estimate of
---   the seconds until a slot of the key frees, as durable_admit makes it.
+-- durations, oldest_age (a 'full' for reason 'limit', or a 'queue_full'): what the
+--   Retry-After estimate is made of, as durable_admit answers them.
 --
 -- 1. Lock each key's row in key order, creating a missing row first, and record
 --    the start's limit and count_statuses on it (so a refused start's limits are
@@ -42,7 +42,7 @@
 --    hand-off does.
 -- A refusal of a given run id first makes sure no run has that id (as
 -- durable_admit does), and answers 'exists' when one has.
--- 0012 added the column retry_after to the result: the function is dropped first.
+-- 0012 added the columns durations and oldest_age to the result: the function is dropped first.
 DROP FUNCTION IF EXISTS durable_admit_queued(jsonb, text, text, text, text, text, jsonb, text, text, boolean, jsonb);
 CREATE OR REPLACE FUNCTION durable_admit_queued(
     p_quotas jsonb,
@@ -58,9 +58,12 @@ CREATE OR REPLACE FUNCTION durable_admit_queued(
     p_ancestors jsonb
 ) RETURNS TABLE (
     outcome text, run_status text, full_key text, full_limit integer, active bigint, queued bigint,
-    max_queued integer, reason text, holder text, retry_after double precision
+    max_queued integer, reason text, holder text, durations jsonb, oldest_age double precision
 )
-LANGUAGE plpgsql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE
+-- Generic plans: with custom plans (the default) PostgreSQL planned some of its
+-- statements again at every call, which doubled the time of a refusal (measured).
+SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     q jsonb;
     i integer;
@@ -69,7 +72,8 @@ DECLARE
     v_limit integer;
     v_override integer;
     v_limits integer[] := '{}';
-    v_estimate double precision;
+    v_durations jsonb;
+    v_oldest_age double precision;
     v_statuses text[];
     v_active bigint[] := '{}';
     v_queued bigint[] := '{}';
@@ -187,7 +191,8 @@ BEGIN
         RETURNING id INTO v_pk;
         IF v_pk IS NULL THEN
             RETURN QUERY SELECT 'exists'::text, NULL::text, NULL::text, NULL::integer, NULL::bigint, NULL::bigint,
-                                NULL::integer, NULL::text, NULL::text, NULL::double precision;
+                                NULL::integer, NULL::text, NULL::text, NULL::jsonb,
+                                NULL::double precision;
             RETURN;
         END IF;
     END IF;
@@ -198,16 +203,14 @@ BEGIN
         IF v_limit > 0 AND (v_outcome = 'queue_full' OR v_reason = 'limit') THEN
             -- The estimate of Retry-After, as durable_admit makes it.
             v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
-            SELECT (SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY d.value::double precision)
-                      FROM durable_concurrencylock l, jsonb_array_elements_text(l.recent_durations) AS d
-                     WHERE l.key = v_key)
-                   - COALESCE(extract(epoch FROM now() - min(t.created_at)), 0)
-              INTO v_estimate FROM durable_runtag t
+            SELECT (SELECT l.recent_durations FROM durable_concurrencylock l WHERE l.key = v_key),
+                   extract(epoch FROM now() - min(t.created_at))
+              INTO v_durations, v_oldest_age FROM durable_runtag t
              WHERE t.tag = 'concurrency:' || v_key AND t.status = ANY (v_statuses)
                AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
         END IF;
         RETURN QUERY SELECT v_outcome, NULL::text, v_key, v_limit, v_active[i + 1], v_queued[i + 1],
-                            (q->>'max_queued')::integer, v_reason, v_holder, v_estimate;
+                            (q->>'max_queued')::integer, v_reason, v_holder, v_durations, v_oldest_age;
         RETURN;
     END IF;
 
@@ -221,7 +224,7 @@ BEGIN
          WHERE l.key = e->>'key' AND e->>'strategy' = 'group_round_robin';
     END IF;
     RETURN QUERY SELECT 'created'::text, v_status, NULL::text, NULL::integer, NULL::bigint, NULL::bigint,
-                        NULL::integer, NULL::text, NULL::text, NULL::double precision;
+                        NULL::integer, NULL::text, NULL::text, NULL::jsonb, NULL::double precision;
 END;
 $$;
 

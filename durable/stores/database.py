@@ -297,10 +297,11 @@ class DjangoStore(BaseStore):
                 "SELECT * FROM durable_admit(%s::jsonb, %s, %s, %s, %s, %s, %s::jsonb, %s, %s, %s)",
                 [json.dumps(payload), *_start_params(record, count_namespace, run_id_given)],
             )
-            outcome, key, limit, active, _, estimate = cursor.fetchone()
+            outcome, key, limit, active, _, durations, oldest_age = cursor.fetchone()
+        seconds = conf.retry_after_seconds(estimate(_json(durations), oldest_age))
         if outcome == "full":  # the function recorded the refused limits already
             raise exceptions.ConcurrencyLimitError(
-                workflow=record.workflow, key=key, limit=limit, active=active, retry_after=conf.retry_after_seconds(estimate)
+                workflow=record.workflow, key=key, limit=limit, active=active, retry_after=seconds
             )
         if outcome == "exists":
             raise RunExists(record.run_id)
@@ -345,7 +346,8 @@ class DjangoStore(BaseStore):
                     json.dumps([{"run_id": a.run_id, "status": str(a.status)} for a in ancestors]),
                 ],
             )
-            outcome, status, key, limit, active, queued, max_queued, reason, holder, estimate = cursor.fetchone()
+            outcome, status, key, limit, active, queued, max_queued, reason, holder, durations, oldest_age = cursor.fetchone()
+        seconds = conf.retry_after_seconds(estimate(_json(durations), oldest_age))
         if outcome == "created":
             record.status = status
             return True
@@ -359,7 +361,7 @@ class DjangoStore(BaseStore):
                 active=active,
                 queued=queued,
                 max_queued=max_queued,
-                retry_after=conf.retry_after_seconds(estimate),
+                retry_after=seconds,
             )
         hint = ""
         if reason == "lifetime":
@@ -372,7 +374,7 @@ class DjangoStore(BaseStore):
             limit=limit,
             active=active,
             hint=hint,
-            retry_after=conf.retry_after_seconds(estimate),
+            retry_after=seconds,
         )
 
     def run_exists(self, run_id: str) -> bool:
