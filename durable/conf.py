@@ -10,6 +10,7 @@ access, so ``override_settings(DURABLE=...)`` works in tests.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -43,8 +44,11 @@ class Defaults:
     SWEEP_INTERVAL: float = 15.0
     #: How many times a run is started by a worker before it is marked ``dead``.
     MAX_ATTEMPTS: int = 5
-    #: ``Retry-After`` seconds sent with a 429 (at least 1).
+    #: ``Retry-After`` seconds of a refusal when nothing is measured on its key yet
+    #: (at least 1); see ``retry_after_seconds``.
     RETRY_AFTER: int = 1
+    #: The longest ``Retry-After`` an estimate may give, in seconds.
+    RETRY_AFTER_MAX: int = 60
     #: Permission classes of the HTTP API (dotted paths).
     API_PERMISSION_CLASSES: tuple[str, ...] = ("rest_framework.permissions.IsAuthenticated",)
     #: Dotted path of ``fn(request) -> str``: the namespace an API request is fenced
@@ -94,3 +98,22 @@ def unknown_settings() -> list[str]:
     """Keys of ``settings.DURABLE`` that durable does not know (see checks)."""
     user = getattr(django_settings, "DURABLE", {}) or {}
     return sorted(set(user) - _NAMES)
+
+
+def retry_after_seconds(estimate: float | None = None) -> int:
+    """The ``Retry-After`` of a refusal, in whole seconds: ``estimate`` (the seconds
+    until a slot of the full key should free, or None when nothing is measured)
+    rounded up and clamped between 1 and ``RETRY_AFTER_MAX``; without an estimate
+    ``RETRY_AFTER`` (at least 1). A misconfigured setting gives 1, never an error."""
+    fallback = _whole_seconds(settings.RETRY_AFTER)
+    if estimate is None or not math.isfinite(estimate):
+        return fallback
+    ceiling = max(1, _whole_seconds(settings.RETRY_AFTER_MAX))
+    return min(ceiling, max(1, math.ceil(estimate)))
+
+
+def _whole_seconds(value: Any) -> int:
+    try:
+        return max(1, math.ceil(float(value)))
+    except (TypeError, ValueError, OverflowError):
+        return 1

@@ -30,8 +30,13 @@ class ConcurrencyLimitError(DurableError):
     key: str
     limit: int
     active: int
+    #: Seconds to wait before retrying (estimated per key, see ``durable.conf.retry_after_seconds``);
+    #: None when the raiser gave none (the HTTP API then sends ``RETRY_AFTER``).
+    retry_after: int | None
 
-    def __init__(self, *, workflow: str, key: str, limit: int, active: int, hint: str = "") -> None:
+    def __init__(
+        self, *, workflow: str, key: str, limit: int, active: int, hint: str = "", retry_after: int | None = None
+    ) -> None:
         super().__init__(
             f"Concurrency limit reached for key {key!r}: {active} of {limit} runs in flight "
             f"(workflow {workflow!r}). {hint or 'Retry when one of them has finished.'}",
@@ -40,6 +45,8 @@ class ConcurrencyLimitError(DurableError):
             limit=limit,
             active=active,
         )
+        # Not one of ``fields``: set after the error is made (a refusal's estimate).
+        self.retry_after = retry_after
 
 
 #: The hint of a ``ConcurrencyLimitError`` on a lifetime cap that its finished runs fill.
@@ -62,7 +69,18 @@ class ConcurrencyQueueFullError(ConcurrencyLimitError):
     queued: int
     max_queued: int
 
-    def __init__(self, *, workflow: str, key: str, limit: int, active: int, queued: int, max_queued: int) -> None:
+    def __init__(
+        self,
+        *,
+        workflow: str,
+        key: str,
+        limit: int,
+        active: int,
+        queued: int,
+        max_queued: int,
+        retry_after: int | None = None,
+    ) -> None:
+        self.retry_after = retry_after
         DurableError.__init__(
             self,
             f"The queue of concurrency key {key!r} is full: {queued} runs wait (max_queued={max_queued}) "

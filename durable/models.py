@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import models
 from django.db.models.functions import Now
 
@@ -121,12 +122,53 @@ class ConcurrencyLock(models.Model):
     #: The group the last round-robin hand-off of this key went to.
     rr_cursor = models.TextField(blank=True, default="")
     created_at = models.DateTimeField(db_default=Now())
+    #: An operator's limit for this key (``Engine.set_limit_override``): while set,
+    #: admission uses it instead of the code's ``limit``, read under the row's lock.
+    limit_override = models.IntegerField(null=True, blank=True)
+    #: Seconds the key's last runs held their slot (creation to finish), oldest
+    #: first, at most ``durable.stores.base.RECENT_DURATIONS``: what a refusal's ``Retry-After`` is estimated from.
+    recent_durations = models.JSONField(null=True, blank=True)
+    #: When the last of ``recent_durations`` was recorded: a finish records one at
+    #: most every ``durable.stores.base.DURATION_EVERY`` seconds per key, so the
+    #: key's row is not rewritten by every finish of a busy key.
+    durations_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         verbose_name = "concurrency quota"
 
     def __str__(self) -> str:
         return self.key
+
+    @property
+    def effective_limit(self) -> int | None:
+        """The limit admission applies: the override when one is set, else the code's."""
+        return self.limit if self.limit_override is None else self.limit_override
+
+
+class LimitChange(models.Model):
+    """One change of a key's limit override, for the audit trail: who, when, the
+    limit in effect before and after (``None`` in ``new_override``: cleared), and why."""
+
+    key = models.CharField(max_length=255, db_index=True)
+    #: The override before and after the change (``None``: none, the code's limit applies).
+    old_override = models.IntegerField(null=True, blank=True)
+    new_override = models.IntegerField(null=True, blank=True)
+    #: The limit in effect before and after (the code's last known limit where no override).
+    old_limit = models.IntegerField(null=True, blank=True)
+    new_limit = models.IntegerField(null=True, blank=True)
+    reason = models.TextField()
+    changed_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    #: The user's name as it was at the change (kept when the user is deleted).
+    changed_by_name = models.CharField(max_length=255, blank=True, default="")
+    changed_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        ordering = ["-changed_at", "-id"]
+        verbose_name = "limit change"
+
+    def __str__(self) -> str:
+        new = "cleared" if self.new_override is None else str(self.new_override)
+        return f"{self.key}: {new}"
 
 
 class StepRecord(models.Model):

@@ -17,6 +17,7 @@ from durable.status import ACTIVE_STATUSES, DEFAULT_CONCURRENCY_STATUSES, RunSta
 @dataclass(frozen=True)
 class QuotaInfo:
     key: str
+    #: The limit in effect: the operator's override if set, else the code's last known limit.
     limit: int | None
     count_statuses: tuple[str, ...]
     active: int
@@ -24,6 +25,9 @@ class QuotaInfo:
     oldest_active_at: datetime | None
     #: Creation time of the oldest run waiting in the key's queue (its age is now minus this).
     oldest_queued_at: datetime | None = None
+    #: The limit the last start brought from the code, and the operator's override (None: none).
+    code_limit: int | None = None
+    limit_override: int | None = None
 
 
 def visible_locks(namespace: str | None = None) -> QuerySet[models.ConcurrencyLock]:
@@ -82,12 +86,14 @@ def infos_for(lock_rows: Sequence[models.ConcurrencyLock], *, namespace: str | N
         infos.append(
             QuotaInfo(
                 key=lock.key,
-                limit=lock.limit,
+                limit=lock.effective_limit,
                 count_statuses=statuses,
                 active=sum(n for n, _ in counted),
                 queued=by_status.get(RunStatus.QUEUED, (0, None))[0],
                 oldest_active_at=min((oldest for _, oldest in counted), default=None),
                 oldest_queued_at=by_status.get(RunStatus.QUEUED, (0, None))[1],
+                code_limit=lock.limit,
+                limit_override=lock.limit_override,
             )
         )
     return infos

@@ -12,6 +12,7 @@ Importing this package (Django's admin autodiscovery does) registers the three
 
 from __future__ import annotations
 
+from durable.admin.limits import LimitChangeAdmin
 from durable.admin.quotas import ConcurrencyQuotaAdmin
 from durable.admin.runs import StepRecordInline, TagFilter, WorkflowRunAdmin
 from durable.admin.schedules import ScheduleAdmin, ScheduleForm
@@ -20,6 +21,7 @@ from durable.status import RETRYABLE_STATUSES
 __all__ = [
     "RETRYABLE_STATUSES",
     "ConcurrencyQuotaAdmin",
+    "LimitChangeAdmin",
     "ScheduleAdmin",
     "ScheduleForm",
     "StepRecordInline",

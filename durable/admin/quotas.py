@@ -14,6 +14,7 @@ from django.http import HttpRequest
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
+from django.utils.http import urlencode
 from django.utils.safestring import SafeString
 
 from durable import models, quotas
@@ -27,6 +28,8 @@ from durable.status import ACTIVE_STATUSES, DEFAULT_CONCURRENCY_STATUSES, RunSta
 USE = "use"
 #: How many runs in flight (and queued) a quota's page lists.
 RUNS_SHOWN = 50
+#: How many changes of its limit a quota's page lists (the newest).
+LIMIT_CHANGES_SHOWN = 10
 
 
 def _in_flight(request: HttpRequest) -> dict[str, usage.InFlight]:
@@ -229,7 +232,8 @@ class ConcurrencyQuotaAdmin(admin.ModelAdmin):
     fields = (
         "key",
         USE,
-        "limit",
+        "limit_in_effect",
+        "limit_changes",
         "active",
         "queued",
         "oldest_queued",
@@ -262,7 +266,14 @@ class ConcurrencyQuotaAdmin(admin.ModelAdmin):
     @admin.display(description="use (active / limit)", ordering=USE)
     def use(self, lock: models.ConcurrencyLock) -> SafeString:
         info = _info(lock)
-        return usage_bar(info.active if info else 0, lock.limit)
+        bar = usage_bar(info.active if info else 0, lock.effective_limit)
+        if lock.limit_override is None:
+            return bar
+        return format_html(
+            '{} <span class="durable-override" title="set by an operator; the code\'s limit is {}">override</span>',
+            bar,
+            "unknown" if lock.limit is None else lock.limit,
+        )
 
     @admin.display(description="active")
     def active(self, lock: models.ConcurrencyLock) -> int:
@@ -318,6 +329,56 @@ class ConcurrencyQuotaAdmin(admin.ModelAdmin):
         return format_html(
             '<a href="{}" title="the runs of this key" style="white-space:nowrap">list runs</a>',
             runs_with_tag_url(TAG_PREFIX + lock.key),
+        )
+
+    # -- change page: its limit, who changed it, its runs -----------------------------------
+    @admin.display(description="limit")
+    def limit_in_effect(self, lock: models.ConcurrencyLock) -> SafeString | str:
+        """The limit admission applies: an operator's override, else the code's last known limit."""
+        set_url = reverse("admin:durable_limitchange_add") + "?" + urlencode({"key": lock.key})
+        if lock.limit_override is None:
+            return format_html(
+                '{} (from the code) &middot; <a href="{}">override it</a>',
+                "unknown until the next start" if lock.limit is None else lock.limit,
+                set_url,
+            )
+        return format_html(
+            "<strong>{}</strong>, an operator's override (the code's limit: {}) &middot; <a href=\"{}\">change or clear it</a>",
+            lock.limit_override,
+            "unknown" if lock.limit is None else lock.limit,
+            set_url,
+        )
+
+    @admin.display(description="limit changes")
+    def limit_changes(self, lock: models.ConcurrencyLock) -> SafeString | str:
+        """The latest changes of the key's override: who, when, the limit before and after, why."""
+        changes = list(models.LimitChange.objects.filter(key=lock.key).order_by("-changed_at", "-id")[: LIMIT_CHANGES_SHOWN + 1])
+        if not changes:
+            return "No change: the code's limit has always applied."
+        rows = format_html_join(
+            "",
+            '<tr><td title="{}">{} ago</td><td>{}</td><td>{} &rarr; {}</td><td>{}</td></tr>',
+            (
+                (
+                    timestamp(change.changed_at),
+                    age(change.changed_at),
+                    change.changed_by_name or "—",
+                    "?" if change.old_limit is None else change.old_limit,
+                    ("?" if change.new_limit is None else change.new_limit)
+                    if change.new_override is not None
+                    else format_html("{} (cleared)", "?" if change.new_limit is None else change.new_limit),
+                    change.reason,
+                )
+                for change in changes[:LIMIT_CHANGES_SHOWN]
+            ),
+        )
+        all_url = reverse("admin:durable_limitchange_changelist") + "?" + urlencode({"key": lock.key})
+        return format_html(
+            '<table class="durable-runs-table"><thead><tr><th>when</th><th>who</th><th>limit</th><th>reason</th></tr></thead>'
+            '<tbody>{}</tbody></table><p><a href="{}">{}</a></p>',
+            rows,
+            all_url,
+            "all changes of this key" if len(changes) > LIMIT_CHANGES_SHOWN else "as a list",
         )
 
     # -- change page: the key's runs --------------------------------------------------------

@@ -62,22 +62,25 @@ def in_flight() -> dict[str, InFlight]:
 
 
 def is_full(lock: models.ConcurrencyLock, entry: InFlight | None) -> bool:
-    """Whether the key has no free slot (its last known limit reached; a limit of 0 is always full)."""
-    if lock.limit is None:
+    """Whether the key has no free slot (its limit in effect reached: an operator's
+    override, else the last known limit; a limit of 0 is always full)."""
+    limit = lock.effective_limit
+    if limit is None:
         return False
-    return (entry.active(lock.count_statuses) if entry else 0) >= lock.limit
+    return (entry.active(lock.count_statuses) if entry else 0) >= limit
 
 
 def use_order(lock: models.ConcurrencyLock, entry: InFlight) -> tuple[bool, float, int, int]:
     """Sort key, largest = fullest: full first, then by share of the limit in use,
     then by runs in flight and queued."""
     active = entry.active(lock.count_statuses)
-    if lock.limit is None:
+    limit = lock.effective_limit
+    if limit is None:
         ratio = 0.0
-    elif lock.limit <= 0:
+    elif limit <= 0:
         ratio = 1.0
     else:
-        ratio = active / lock.limit
+        ratio = active / limit
     return (is_full(lock, entry), ratio, active, entry.queued)
 
 
@@ -119,7 +122,7 @@ def keys_where(usage: Mapping[str, InFlight], test: str) -> Q:
         return Q(key__in=[k for k, e in usage.items() if e.queued])
     if test == "full":
         # An idle key is full only with a limit of 0 or less (it refuses every start).
-        candidates = locks_of(models.ConcurrencyLock.objects.only("key", "limit", "count_statuses"), usage)
+        candidates = locks_of(models.ConcurrencyLock.objects.only("key", "limit", "limit_override", "count_statuses"), usage)
         full = [lock.key for lock in candidates if is_full(lock, usage[lock.key])]
-        return Q(key__in=full) | Q(limit__lte=0)
+        return Q(key__in=full) | Q(limit_override__lte=0) | Q(limit_override__isnull=True, limit__lte=0)
     return Q(key__in=[k for k, e in usage.items() if test in strategies_of(e)])

@@ -12,15 +12,13 @@ handler, so a project's own views that call ``Wf.dispatch(...)`` answer 429 (wit
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from rest_framework import status
 from rest_framework import views as drf_views
 from rest_framework.response import Response
 
-from durable import exceptions
-from durable.conf import settings
+from durable import conf, exceptions
 
 #: HTTP status of each durable error the API answers (most specific class first).
 _STATUS_BY_ERROR: tuple[tuple[type[exceptions.DurableError], int], ...] = (
@@ -38,15 +36,13 @@ _STATUS_BY_ERROR: tuple[tuple[type[exceptions.DurableError], int], ...] = (
 _QUEUE_FIELDS = ("queued", "max_queued")
 
 
-def retry_after() -> int:
-    """The ``Retry-After`` seconds of a 429: ``DURABLE["RETRY_AFTER"]`` rounded up, at least 1."""
-    value = settings.RETRY_AFTER
-    try:
-        seconds = math.ceil(float(value))
-    except (TypeError, ValueError, OverflowError):
-        # A misconfigured setting must not turn a 429 into a 500.
-        return 1
-    return max(1, seconds)
+def retry_after(exc: exceptions.ConcurrencyLimitError | None = None) -> int:
+    """The ``Retry-After`` seconds of a 429: the refusal's own estimate
+    (``exc.retry_after``), else ``DURABLE["RETRY_AFTER"]`` rounded up, at least 1."""
+    seconds = getattr(exc, "retry_after", None)
+    if isinstance(seconds, int) and not isinstance(seconds, bool) and seconds >= 1:
+        return seconds
+    return conf.retry_after_seconds(None)
 
 
 def durable_error_response(exc: BaseException) -> Response | None:
@@ -60,7 +56,9 @@ def durable_error_response(exc: BaseException) -> Response | None:
         data.update(workflow=exc.workflow, key=exc.key, limit=exc.limit, active=exc.active)
         # ConcurrencyQueueFullError also says how long the key's queue is.
         data.update({name: exc.fields[name] for name in _QUEUE_FIELDS if name in exc.fields})
-        headers["Retry-After"] = str(retry_after())
+        seconds = retry_after(exc)
+        data["retry_after"] = seconds
+        headers["Retry-After"] = str(seconds)
     # Like DRF's own handler: roll back ATOMIC_REQUESTS work of the failed request.
     drf_views.set_rollback()
     return Response(data, status=status_code, headers=headers)
@@ -77,7 +75,7 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     """DRF's exception handler, plus durable's errors.
 
     ``ConcurrencyLimitError`` (and ``ConcurrencyQueueFullError``) -> 429 with
-    ``Retry-After`` and ``{"detail", "code", "workflow", "key", "limit", "active"}``
+    ``Retry-After`` and ``{"detail", "code", "workflow", "key", "limit", "active", "retry_after"}``
     (plus ``queued`` and ``max_queued`` for a full queue);
     ``InvalidStartError`` and ``InvalidScheduleError`` -> 400; ``UnknownWorkflowError``,
     ``RunNotFound`` and ``ScheduleNotFound`` -> 404;

@@ -21,7 +21,7 @@ from drf_spectacular.extensions import OpenApiSerializerFieldExtension, OpenApiV
 from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.plumbing import build_basic_type
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, PolymorphicProxySerializer
 from drf_spectacular.views import SpectacularAPIView
 from rest_framework import serializers as drf
 from rest_framework.permissions import BasePermission
@@ -47,6 +47,11 @@ class ConcurrencyLimitErrorSerializer(ErrorSerializer):
     active = drf.IntegerField(help_text="Runs it counts now.")
     queued = drf.IntegerField(required=False, help_text="code concurrency_queue_full only: runs queued on the key.")
     max_queued = drf.IntegerField(required=False, help_text="code concurrency_queue_full only.")
+    retry_after = drf.IntegerField(
+        help_text="Seconds to wait before starting again, the same figure as the Retry-After header: estimated "
+        "per key (the median duration of its last finished runs minus the age of its oldest run in flight, "
+        "between 1 and RETRY_AFTER_MAX), RETRY_AFTER when nothing is measured."
+    )
 
 
 ERROR = ErrorSerializer
@@ -81,7 +86,22 @@ RETRY_AFTER = OpenApiParameter(
     OpenApiTypes.INT,
     location=OpenApiParameter.HEADER,
     response=[429],
-    description="Seconds to wait before starting again (the RETRY_AFTER setting, at least 1).",
+    description="Seconds to wait before starting again: the body's retry_after (estimated per key, "
+    "between 1 and RETRY_AFTER_MAX; RETRY_AFTER when nothing is measured).",
+)
+DRY_RUN = OpenApiParameter(
+    "dry_run",
+    OpenApiTypes.STR,
+    location=OpenApiParameter.QUERY,
+    required=False,
+    enum=["1", "0", "true", "false"],
+    description="1: only answer whether this start would be admitted now (200 with an AdmissionCheck); nothing is created.",
+)
+#: ``POST runs/`` answers 200 with the existing run, or with a dry run's answer.
+START_OK = PolymorphicProxySerializer(
+    component_name="StartRunOk",
+    serializers=[serializers.RunSerializer, serializers.AdmissionCheckSerializer],
+    resource_type_field_name=None,
 )
 IDEMPOTENCY_KEY = OpenApiParameter(
     idempotency.HEADER,
@@ -121,8 +141,9 @@ OPERATIONS: dict[tuple[type, str], Operation] = {
         {
             201: OpenApiResponse(serializers.RunSerializer, description="The run was created."),
             200: OpenApiResponse(
-                serializers.RunSerializer,
-                description="run_id (or Idempotency-Key) names an existing run of this start: it is returned.",
+                START_OK,
+                description="run_id (or Idempotency-Key) names an existing run of this start: it is returned. "
+                "With ?dry_run=1: whether the start would be admitted now (an AdmissionCheck); nothing is created.",
             ),
             400: INVALID,
             404: _error("No workflow of that name: code unknown_workflow."),
@@ -136,7 +157,7 @@ OPERATIONS: dict[tuple[type, str], Operation] = {
             ),
         },
         request=serializers.StartRunSerializer,
-        parameters=[IDEMPOTENCY_KEY, RETRY_AFTER],
+        parameters=[IDEMPOTENCY_KEY, RETRY_AFTER, DRY_RUN],
     ),
     (views.RunDetailView, "GET"): Operation(
         "getRun", "One run, with its tags and steps", {200: serializers.RunSerializer, **RUN_NOT_FOUND}
@@ -172,6 +193,18 @@ OPERATIONS: dict[tuple[type, str], Operation] = {
         "getQuota",
         "One concurrency key",
         {200: serializers.QuotaSerializer, 404: _error("No such key: code quota_not_found.")},
+    ),
+    (views.QuotaLimitView, "PUT"): Operation(
+        "setQuotaLimit",
+        "Set or clear a concurrency key's limit override (staff only)",
+        {
+            200: OpenApiResponse(
+                serializers.QuotaLimitSerializer, description="The key with its limit in effect, and the change recorded."
+            ),
+            400: INVALID,
+            **MEDIA,
+        },
+        request=serializers.LimitOverrideSerializer,
     ),
     (views.ScheduleListView, "GET"): Operation(
         "listSchedules",

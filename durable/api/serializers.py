@@ -11,6 +11,8 @@ from rest_framework import serializers
 
 from durable import models, schedules
 from durable.api import idempotency
+from durable.concurrency import MAX_LIMIT, MIN_LIMIT
+from durable.runtime.limits import MAX_REASON_LENGTH, OUTCOMES
 from durable.status import ALL_STATUSES
 
 #: Deepest nesting of lists and objects accepted in a run's input.
@@ -235,7 +237,18 @@ class QuotaSerializer(serializers.Serializer):
     active = serializers.IntegerField(read_only=True, help_text="Runs in the key's count_statuses.")
     queued = serializers.IntegerField(read_only=True, help_text="Runs waiting for a slot of the key.")
     limit = serializers.IntegerField(
-        read_only=True, allow_null=True, help_text="Last limit a start used (admitted or refused); null if unknown."
+        read_only=True,
+        allow_null=True,
+        help_text="The limit in effect: the override if one is set, else the last limit a start "
+        "brought from the code (admitted or refused); null if unknown.",
+    )
+    code_limit = serializers.IntegerField(
+        read_only=True, allow_null=True, help_text="The last limit a start brought from the code; null if unknown."
+    )
+    limit_override = serializers.IntegerField(
+        read_only=True,
+        allow_null=True,
+        help_text="An operator's limit replacing the code's (PUT quotas/<key>/limit/); null: none.",
     )
     count_statuses = serializers.ListField(child=serializers.CharField(), read_only=True)
     oldest_active_at = serializers.DateTimeField(read_only=True, allow_null=True)
@@ -248,6 +261,79 @@ class QuotaSerializer(serializers.Serializer):
         if info.oldest_queued_at is None:
             return None
         return round((timezone.now() - info.oldest_queued_at).total_seconds(), 3)
+
+
+class LimitOverrideSerializer(serializers.Serializer):
+    """``PUT quotas/<key>/limit/``: ``{"limit": int or null, "reason": text}``."""
+
+    limit = serializers.IntegerField(
+        allow_null=True,
+        min_value=MIN_LIMIT,
+        max_value=MAX_LIMIT,
+        help_text="The key's new limit (0 or less refuses every start); null clears the override: the code's limit applies.",
+    )
+    reason = TextField(max_length=MAX_REASON_LENGTH, help_text="Why: recorded with the change.")
+
+    def validate_limit(self, limit: Any) -> int | None:
+        raw = self.initial_data.get("limit") if isinstance(self.initial_data, Mapping) else None
+        if raw is not None and (isinstance(raw, bool) or not isinstance(raw, int)):
+            raise serializers.ValidationError("Must be an integer or null.", code="invalid")
+        return limit
+
+    def validate_reason(self, reason: str) -> str:
+        if not reason.strip() or "\x00" in reason:
+            raise serializers.ValidationError("Give a reason (it is recorded with the change).", code="blank")
+        return reason
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        _refuse_unknown_fields(self)
+        return attrs
+
+
+class LimitChangeSerializer(serializers.Serializer):
+    """One change of a key's limit (a ``LimitChangeRecord``)."""
+
+    key = serializers.CharField(read_only=True)
+    old_limit = serializers.IntegerField(read_only=True, allow_null=True, help_text="The limit in effect before.")
+    new_limit = serializers.IntegerField(read_only=True, allow_null=True, help_text="The limit in effect now.")
+    old_override = serializers.IntegerField(read_only=True, allow_null=True)
+    new_override = serializers.IntegerField(read_only=True, allow_null=True)
+    reason = serializers.CharField(read_only=True)
+    changed_by = serializers.CharField(read_only=True, source="changed_by_name")
+    changed_at = serializers.DateTimeField(read_only=True, allow_null=True)
+
+
+class QuotaLimitSerializer(QuotaSerializer):
+    """The answer of ``PUT quotas/<key>/limit/``: the key, and the change just made."""
+
+    change = LimitChangeSerializer(read_only=True)
+
+
+class KeyCheckSerializer(serializers.Serializer):
+    """One key of a dry run."""
+
+    key = serializers.CharField(read_only=True)
+    limit = serializers.IntegerField(read_only=True, help_text="The limit in effect.")
+    code_limit = serializers.IntegerField(read_only=True)
+    override = serializers.IntegerField(read_only=True, allow_null=True)
+    active = serializers.IntegerField(read_only=True)
+    queued = serializers.IntegerField(read_only=True)
+    strategy = serializers.CharField(read_only=True)
+    max_queued = serializers.IntegerField(read_only=True, allow_null=True)
+
+
+class AdmissionCheckSerializer(serializers.Serializer):
+    """The answer of ``POST runs/?dry_run=1`` (``Engine.would_admit``)."""
+
+    admitted = serializers.BooleanField(read_only=True, help_text="A start now would run (nothing was created).")
+    outcome = serializers.ChoiceField(choices=OUTCOMES, read_only=True)
+    workflow = serializers.CharField(read_only=True)
+    key = serializers.CharField(read_only=True, allow_null=True, help_text="The key that decided; null without quotas.")
+    limit = serializers.IntegerField(read_only=True, allow_null=True)
+    active = serializers.IntegerField(read_only=True, allow_null=True)
+    keys = KeyCheckSerializer(many=True, read_only=True)
+    detail = serializers.CharField(read_only=True, required=False, help_text="Why, when not simply admitted.")
+    retry_after = serializers.IntegerField(read_only=True, required=False, help_text="A refusal's Retry-After seconds.")
 
 
 def _refuse_unknown_fields(serializer: serializers.Serializer) -> None:

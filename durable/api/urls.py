@@ -18,6 +18,7 @@ urlpatterns: list[URLPattern] = [
     path("runs/<path:run_id>/signal/", views.RunSignalView.as_view(), name="run-signal"),
     path("runs/<path:run_id>/", views.RunDetailView.as_view(), name="run-detail"),
     path("quotas/", views.QuotaListView.as_view(), name="quota-list"),
+    path("quotas/<path:key>/limit/", views.QuotaLimitView.as_view(), name="quota-limit"),
     path("quotas/<path:key>/", views.QuotaDetailView.as_view(), name="quota-detail"),
     # Schedule names never contain "/".
     path("schedules/", views.ScheduleListView.as_view(), name="schedule-list"),

@@ -12,6 +12,7 @@ from typing import Any
 
 from django.db.models import Prefetch, QuerySet
 from rest_framework import generics, status
+from rest_framework import permissions as drf_permissions
 from rest_framework.exceptions import APIException, NotFound, ValidationError
 from rest_framework.pagination import BasePagination
 from rest_framework.permissions import BasePermission
@@ -83,6 +84,10 @@ class RunListView(DurableAPIView):
     ``POST runs/`` ``{"workflow", "input", "run_id"?}``: start a run through the
     engine, under its quotas. 201 with the new run, 200 with the existing run when
     ``run_id`` names one already.
+
+    ``POST runs/?dry_run=1`` (same body): would that start be admitted now? 200
+    with ``Engine.would_admit``'s answer ``{"admitted", "outcome", "key", "limit",
+    "active", "keys", ...}``; nothing is created. 400 and 404 as a start.
     """
 
     pagination_class = pagination.RunCursorPagination
@@ -107,6 +112,7 @@ class RunListView(DurableAPIView):
         return self.get_paginated_response(serializers.RunSerializer(page, many=True).data)
 
     def post(self, request: Request) -> Response:
+        dry_run = _flag(request.query_params, "dry_run")
         key = idempotency.key_of(request.headers)
         serializer = serializers.StartRunSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
@@ -115,6 +121,10 @@ class RunListView(DurableAPIView):
             raise ValidationError(
                 {"run_id": [f"Give either run_id or the {idempotency.HEADER} header, not both."]}, code="invalid"
             )
+        if dry_run:
+            run_id = data.get("run_id") if key is None else idempotency.run_id(self.engine.namespace, key)
+            check = self.engine.would_admit(data["workflow"], data["input"], run_id=run_id)
+            return Response(check.as_dict(), status=status.HTTP_200_OK)
         handle = self.perform_start(serializer, key)
         run = self.get_run(handle.run_id)
         if key is not None and not handle.created:
@@ -202,6 +212,31 @@ class QuotaDetailView(DurableAPIView):
         if not infos:
             raise NotFound(f"No concurrency key {key!r} is known.", code="quota_not_found")
         return Response(serializers.QuotaSerializer(infos[0]).data)
+
+
+class QuotaLimitView(DurableAPIView):
+    """``PUT quotas/<key>/limit/`` ``{"limit", "reason"}`` (staff only): set the key's
+    limit override (``null`` clears it: the code's limit applies again), recorded
+    with the user and the reason. 200 with the key and the change. The next start
+    of the key applies it; runs in flight are never cancelled by it."""
+
+    serializer_class = serializers.LimitOverrideSerializer
+
+    def get_permissions(self) -> list[BasePermission]:
+        return [*super().get_permissions(), drf_permissions.IsAdminUser()]
+
+    def put(self, request: Request, key: str) -> Response:
+        if not _valid_lookup(key, MAX_KEY_LENGTH):
+            raise ValidationError({"key": [f"A concurrency key is 1 to {MAX_KEY_LENGTH} characters, without NUL."]})
+        serializer = serializers.LimitOverrideSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        change = self.engine.set_limit_override(key, data["limit"], data["reason"], user=request.user)
+        row = models.ConcurrencyLock.objects.get(key=key)
+        info = quotas.infos_for([row], namespace=self.engine.read_namespace)[0]
+        body = dict(serializers.QuotaSerializer(info).data)
+        body["change"] = serializers.LimitChangeSerializer(change).data
+        return Response(body)
 
 
 # -- schedules -------------------------------------------------------------------------
@@ -309,6 +344,17 @@ def _check_run_id(run_id: str) -> str:
     if not _valid_lookup(run_id, MAX_RUN_ID_LENGTH):
         raise exceptions.RunNotFound(f"No run has the id {run_id!r}.", run_id=run_id)
     return run_id
+
+
+def _flag(query: Any, name: str) -> bool:
+    """A boolean query parameter: absent, ``0``/``false``/``no`` or empty are false;
+    ``1``/``true``/``yes`` true; anything else is a 400."""
+    value = query.get(name)
+    if value is None or value.lower() in ("", "0", "false", "no"):
+        return False
+    if value.lower() in ("1", "true", "yes"):
+        return True
+    raise ValidationError({name: [f"Must be 1 or 0 (true or false), got {value!r}."]}, code="invalid")
 
 
 def _valid_lookup(value: str, max_length: int) -> bool:

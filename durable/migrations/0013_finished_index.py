@@ -11,7 +11,7 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-    dependencies = [("durable", "0011_admit_refusal")]
+    dependencies = [("durable", "0012_limits")]
 
     operations = [
         migrations.AddIndex(

@@ -1,8 +1,8 @@
-"""``durable_end``: the finish of an execution (``durable_finish``) that also
-answers how many quota keys the run held, so a run without any skips the
-hand-off call that would find nothing to hand on (a one-step run is then three
-round trips, not four). ``durable_finish`` is kept unchanged for workers of the
-previous release while a deploy rolls.
+"""``durable_end``: the finish of an execution (``durable_finish`` as 0012 left
+it, recording durations) that also answers how many quota keys the run held, so
+a run without any skips the hand-off call that would find nothing to hand on (a
+one-step run is then three round trips, not four). ``durable_finish`` is kept
+unchanged for workers of the previous release while a deploy rolls.
 
 Runs ``sql/migrations/0014_lifecycle.sql``; reversing drops ``durable_end``.
 """

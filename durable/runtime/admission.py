@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from django.utils import timezone
 
-from durable import exceptions
+from durable import conf, exceptions
 from durable.concurrency import TAG_PREFIX, Quota, Strategy
 from durable.status import ACTIVE_STATUSES, TERMINAL_STATUSES, RunStatus
 from durable.stores.base import BaseStore, RunRecord
@@ -39,6 +39,10 @@ class Scope:
     def count(self, tag: str, statuses: Sequence[str]) -> int:
         """The runs tagged ``tag`` in ``statuses``: what a quota counts."""
         return int(self.store.count_runs(tag=tag, statuses=statuses, namespace=self.namespace))
+
+    def retry_after(self, quota: Quota) -> int:
+        """The ``Retry-After`` seconds of a refusal on ``quota``'s full key (only a refusal asks)."""
+        return conf.retry_after_seconds(self.store.retry_estimate(quota, namespace=self.namespace))
 
 
 @dataclass
@@ -74,8 +78,14 @@ def decide(scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: S
             queued = scope.count(quota.tag, [RunStatus.QUEUED])
         if active >= quota.limit or queued:
             full.append((quota, active, queued))
-        if quota.limit <= 0 or (quota.strategy is Strategy.REJECT and active >= quota.limit):
-            raise exceptions.ConcurrencyLimitError(workflow=workflow, key=quota.key, limit=quota.limit, active=active)
+        if quota.limit <= 0:
+            raise exceptions.ConcurrencyLimitError(
+                workflow=workflow, key=quota.key, limit=quota.limit, active=active, retry_after=conf.retry_after_seconds()
+            )
+        if quota.strategy is Strategy.REJECT and active >= quota.limit:
+            raise exceptions.ConcurrencyLimitError(
+                workflow=workflow, key=quota.key, limit=quota.limit, active=active, retry_after=scope.retry_after(quota)
+            )
         finished = [s for s in quota.count_statuses if s in TERMINAL_STATUSES]
         if active >= quota.limit and finished and scope.count(quota.tag, finished) >= quota.limit:
             raise exceptions.ConcurrencyLimitError(
@@ -84,6 +94,7 @@ def decide(scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: S
                 limit=quota.limit,
                 active=active,
                 hint=exceptions.LIFETIME_CAP_HINT,
+                retry_after=conf.retry_after_seconds(),
             )
     if not full:
         return Decision()
@@ -101,6 +112,7 @@ def decide(scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: S
                     active=active,
                     queued=queued,
                     max_queued=quota.max_queued,
+                    retry_after=scope.retry_after(quota),
                 )
             holder = _holding_ancestor(scope.store, quota, ancestors) if active >= quota.limit else None
             if holder is not None:
@@ -110,6 +122,7 @@ def decide(scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: S
                     limit=quota.limit,
                     active=active,
                     hint=exceptions.holding_ancestor_hint(holder),
+                    retry_after=conf.retry_after_seconds(),
                 )
         return Decision(RunStatus.QUEUED)
     victims: dict[str, RunRecord] = {}
@@ -132,6 +145,7 @@ def decide(scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: S
                 active=active,
                 hint="Cancelling the runs that may be cancelled for it (not finished runs, not its own "
                 "ancestors) cannot make room.",
+                retry_after=conf.retry_after_seconds(),
             )
         for run in in_flight[:needed]:
             victims.setdefault(run.run_id, run)
@@ -146,7 +160,9 @@ def check_room(scope: Scope, workflow: str, quotas: Sequence[Quota], new_status:
         if new_status in quota.count_statuses:
             active -= 1  # the other runs
         if active >= quota.limit:
-            raise exceptions.ConcurrencyLimitError(workflow=workflow, key=quota.key, limit=quota.limit, active=active)
+            raise exceptions.ConcurrencyLimitError(
+                workflow=workflow, key=quota.key, limit=quota.limit, active=active, retry_after=scope.retry_after(quota)
+            )
 
 
 def _holding_ancestor(store: BaseStore, quota: Quota, ancestors: Sequence[RunRecord]) -> str | None:
@@ -238,6 +254,7 @@ class Promoter:
         A count that says there is room is made again under the lock.
         """
         limit, statuses = settings.get(key, (None, ()))
+        limit = self.scope.store.limit_overrides([key]).get(key, limit)  # an operator's limit replaces the code's
         if limit is None or not statuses:
             return False
         return self.scope.count(TAG_PREFIX + key, statuses) >= limit
@@ -259,8 +276,8 @@ class Promoter:
             Quota(k, limit, statuses) for k, (limit, statuses) in sorted(settings.items()) if limit is not None and statuses
         ]
         room = None  # free slots of ``key`` before this start, when it has a quota
-        with store.admission(quotas):
-            for quota in quotas:
+        with store.admission(quotas) as locked:
+            for quota in locked or quotas:  # the limits in effect, read under the locks
                 active = self.scope.count(quota.tag, quota.count_statuses)
                 if active >= quota.limit:
                     return "key full" if quota.key == key else "other key full"

@@ -17,6 +17,7 @@ from durable import exceptions, signals
 from durable.conf import settings
 from durable.runtime import admission
 from durable.runtime import dispatch as _dispatch
+from durable.runtime import limits as _limits
 from durable.runtime.execution import Executor, send_run_finished
 from durable.runtime.registry import Definition, Registry, WorkflowFn, default_registry
 from durable.status import ACTIVE_STATUSES, RETRYABLE_STATUSES, TERMINAL_STATUSES, RunStatus
@@ -281,7 +282,8 @@ class Engine:
         whether a run has that id (a start of it may have committed while this
         one waited): an idempotent re-start is never refused (``RunExists``).
         """
-        with self.store.admission(quotas):
+        with self.store.admission(quotas) as locked:
+            quotas = locked or quotas  # the limits in effect (an operator's override), read under the locks
             try:
                 decision = admission.decide(self.admission_scope, workflow, quotas, ancestors=ancestors)
             except exceptions.ConcurrencyLimitError:
@@ -334,6 +336,49 @@ class Engine:
         )
         if record.status == RunStatus.CANCELLED and signals.run_finished.has_listeners(self):
             send_run_finished(self, record, RunStatus.CANCELLED, error=record.error)
+
+    def would_admit(
+        self,
+        name: str,
+        input: Any = None,
+        concurrency: _concurrency.ConcurrencySpec = None,
+        *,
+        version: str | None = None,
+        run_id: str | None = None,
+    ) -> _limits.AdmissionCheck:
+        """Whether ``start(name, input, run_id, concurrency)`` would be admitted now,
+        creating nothing and locking nothing: an ``AdmissionCheck`` with ``admitted``,
+        the ``outcome`` the key's strategy gives, and each key's limit in effect and
+        in-flight count. Raises as ``start`` does for bad input or an unknown workflow.
+        """
+        definition = self.registry.current(name) if version is None else self.registry.get(name, str(version))
+        input = check_json(input, what="the workflow input")
+        if run_id is not None:
+            existing = self.store.get_run(run_id) if _valid_run_id(run_id) else None
+            if existing is not None:
+                self._restarted(existing, definition.name)  # RunIdTaken for another workflow's run
+                return _limits.existing(definition.name, run_id)
+            _check_run_id(run_id)
+        specs = definition.concurrency if concurrency is None else _per_start(concurrency)
+        return _limits.check(self.admission_scope, definition.name, _concurrency.resolve(specs, input))
+
+    def set_limit_override(self, key: str, limit: int | None, reason: str, *, user: Any = None) -> _limits.LimitChangeRecord:
+        """Replace the limit of concurrency ``key`` by ``limit`` (None: clear the
+        override, the code's limit applies again), recording who (``user``), when,
+        the old and new values and ``reason``.
+
+        The next admission of the key applies it: each reads the override under the
+        key's lock. Lowering a limit below the runs in flight cancels nothing; it
+        refuses (or queues) new starts until they drop below it. Raising it hands
+        the new room to the key's queued runs.
+        """
+        key, limit, reason = _limits.check_override(key, limit, reason)
+        change = self.store.set_limit_override(
+            key, limit, reason=reason, changed_by=user, changed_by_name=_limits.user_name(user)
+        )
+        logger.info("Limit of concurrency key %s: %s -> %s (%s)", key, change.old_limit, change.new_limit, reason)
+        self.store.on_commit(lambda: self.promoter.promote([key]))
+        return change
 
     def _ancestors(self, parent_run_id: str | None) -> list[RunRecord]:
         """The parent of a child start, its parent, and so on up to the root."""
@@ -435,7 +480,8 @@ class Engine:
         specs = definition.concurrency if concurrency is None else _per_start(concurrency)
         quotas = _concurrency.resolve(specs, record.input)
         try:
-            with self.store.admission(quotas):
+            with self.store.admission(quotas) as locked:
+                quotas = list(locked or quotas)
                 # A retry never queues nor cancels: a full key refuses it, whatever its strategy.
                 admission.decide(
                     self.admission_scope, record.workflow, [replace(q, strategy=_concurrency.Strategy.REJECT) for q in quotas]

@@ -315,7 +315,8 @@ class Executor:
             for key, (limit, statuses) in sorted(settings_by_key.items())
             if limit is not None and statuses and from_status not in statuses
         ]
-        with self.store.admission(recount):
+        with self.store.admission(recount) as locked:
+            recount = list(locked or recount)  # the limits in effect, read under the locks
             full = any(engine.count_runs(q.tag, q.count_statuses) >= q.limit for q in recount)
             to = RunStatus.QUEUED if full else RunStatus.PENDING
             moved = self.store.transition(

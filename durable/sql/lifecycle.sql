@@ -1,7 +1,8 @@
 -- durable_claim, durable_record_step, durable_end (and durable_finish): each
 -- state change of an execution in one round trip (PostgreSQL). Installed by
--- migration 0008, durable_end added by 0014; a change here needs a new file in
--- durable/sql/migrations/ and a migration that runs it. Each is the
+-- migration 0014 (0008 installed the first version, 0012 the second, which
+-- records run durations; 0014 adds durable_end); a change here needs a new file
+-- in durable/sql/migrations/ and a migration that runs it. Each is the
 -- compare-and-set of the DjangoStore method of the same name on other databases;
 -- times come from the caller (p_now), as the ORM path takes them from the
 -- application's clock.
@@ -84,7 +85,14 @@ $$;
 
 -- durable_finish: end a run running under p_lease with p_status (clearing the
 -- lease), mirror the status on its tags; false when the run no longer belongs
--- to p_lease.
+-- to p_lease. In the same statement as the tags, append the time the run held
+-- each key's slot (now minus its tag's creation) to the key's recent_durations
+-- (the last 16, what a refusal's Retry-After is estimated from): a sample, only
+-- when the key's last one is a second old or more (durations_at), so a busy key's
+-- row is not rewritten by every finish (each rewrite is a new row version that
+-- every admission of the key reads past until it is pruned), and skipping a row
+-- another transaction holds locked (a starter of the key): a finish never waits
+-- for admission.
 CREATE OR REPLACE FUNCTION durable_finish(
     p_run_id text,
     p_lease text,
@@ -104,7 +112,23 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    UPDATE durable_runtag t SET status = p_status WHERE t.run_id = v_pk;
+    WITH held AS (
+        UPDATE durable_runtag t SET status = p_status WHERE t.run_id = v_pk
+        RETURNING substr(t.tag, 13) AS key, left(t.tag, 12) = 'concurrency:' AS quota,
+                  round(greatest(extract(epoch FROM p_now - t.created_at), 0)::numeric, 3) AS seconds
+    ), free AS (
+        SELECT l.key, h.seconds FROM durable_concurrencylock l JOIN held h ON h.quota AND l.key = h.key
+         WHERE l.durations_at IS NULL OR l.durations_at <= p_now - interval '1 second'
+           FOR UPDATE OF l SKIP LOCKED
+    )
+    UPDATE durable_concurrencylock l
+       SET durations_at = p_now,
+           recent_durations = CASE
+               WHEN jsonb_array_length(COALESCE(l.recent_durations, '[]'::jsonb)) >= 16
+               THEN (l.recent_durations - 0) || to_jsonb(f.seconds)
+               ELSE COALESCE(l.recent_durations, '[]'::jsonb) || to_jsonb(f.seconds) END
+      FROM free f
+     WHERE l.key = f.key;
     RETURN true;
 END;
 $$;
@@ -112,8 +136,9 @@ $$;
 -- durable_end: durable_finish that also says whether a promote must follow. NULL
 -- when the run no longer belongs to p_lease, else the number of the run's quota
 -- keys (its tags named 'concurrency:...'): 0 means no slot was freed, so the
--- caller skips the hand-off. durable_finish stays for workers of the previous
--- release while a deploy rolls.
+-- caller skips the hand-off. It records durations as durable_finish does, in the
+-- same statement. durable_finish stays for workers of the previous release while
+-- a deploy rolls.
 CREATE OR REPLACE FUNCTION durable_end(
     p_run_id text,
     p_lease text,
@@ -134,10 +159,25 @@ BEGIN
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
-    WITH moved AS (
-        UPDATE durable_runtag t SET status = p_status WHERE t.run_id = v_pk RETURNING t.tag
+    WITH held AS (
+        UPDATE durable_runtag t SET status = p_status WHERE t.run_id = v_pk
+        RETURNING substr(t.tag, 13) AS key, left(t.tag, 12) = 'concurrency:' AS quota,
+                  round(greatest(extract(epoch FROM p_now - t.created_at), 0)::numeric, 3) AS seconds
+    ), free AS (
+        SELECT l.key, h.seconds FROM durable_concurrencylock l JOIN held h ON h.quota AND l.key = h.key
+         WHERE l.durations_at IS NULL OR l.durations_at <= p_now - interval '1 second'
+           FOR UPDATE OF l SKIP LOCKED
+    ), sampled AS (
+        UPDATE durable_concurrencylock l
+           SET durations_at = p_now,
+               recent_durations = CASE
+                   WHEN jsonb_array_length(COALESCE(l.recent_durations, '[]'::jsonb)) >= 16
+                   THEN (l.recent_durations - 0) || to_jsonb(f.seconds)
+                   ELSE COALESCE(l.recent_durations, '[]'::jsonb) || to_jsonb(f.seconds) END
+          FROM free f
+         WHERE l.key = f.key
     )
-    SELECT count(*) FILTER (WHERE left(moved.tag, 12) = 'concurrency:') INTO v_keys FROM moved;
+    SELECT count(*) FILTER (WHERE held.quota) INTO v_keys FROM held;
     RETURN v_keys;
 END;
 $$;

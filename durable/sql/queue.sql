@@ -1,6 +1,10 @@
 -- durable_admit_queued, durable_promote: GROUP_ROUND_ROBIN in one round trip each
--- (PostgreSQL). Installed by migration 0010; a change here needs a new file in
--- durable/sql/migrations/ and a migration that runs it.
+-- (PostgreSQL). Installed by migration 0012 (0010 installed the first version); a
+-- change here needs a new file in durable/sql/migrations/ and a migration that runs it.
+--
+-- A key's limit is the one its row holds, an operator's override (limit_override)
+-- replacing the code's limit (the "limit" of a quota, and the row's "limit"), each
+-- read under the row's lock.
 --
 -- Both take key locks in key order, compared byte by byte (COLLATE "C", which is
 -- Python's order of str, the order every other locker of durable uses), so they
@@ -15,13 +19,15 @@
 --   by the caller.
 -- Returns one row: outcome
 --   'created' with the status the run was created with ('pending' or 'queued');
---   'full' (ConcurrencyLimitError) with full_key, full_limit, active and reason:
+--   'full' (ConcurrencyLimitError) with full_key, full_limit (in effect), active and reason:
 --     'limit' (a REJECT key full, or a limit of 0 or less), 'lifetime' (finished
 --     runs alone fill the cap), 'ancestor' (holder: an ancestor holding a slot of
 --     the full key a child would queue on);
 --   'queue_full' (ConcurrencyQueueFullError) with full_key, full_limit, active,
 --     queued, max_queued;
 --   'exists': the run id is taken.
+-- durations, oldest_age (a 'full' for reason 'limit', or a 'queue_full'): what the
+--   Retry-After estimate is made of, as durable_admit answers them.
 --
 -- 1. Lock each key's row in key order, creating a missing row first, and record
 --    the start's limit and count_statuses on it (so a refused start's limits are
@@ -36,6 +42,8 @@
 --    hand-off does.
 -- A refusal of a given run id first makes sure no run has that id (as
 -- durable_admit does), and answers 'exists' when one has.
+-- 0012 added the columns durations and oldest_age to the result: the function is dropped first.
+DROP FUNCTION IF EXISTS durable_admit_queued(jsonb, text, text, text, text, text, jsonb, text, text, boolean, jsonb);
 CREATE OR REPLACE FUNCTION durable_admit_queued(
     p_quotas jsonb,
     p_count_namespace text,
@@ -50,15 +58,22 @@ CREATE OR REPLACE FUNCTION durable_admit_queued(
     p_ancestors jsonb
 ) RETURNS TABLE (
     outcome text, run_status text, full_key text, full_limit integer, active bigint, queued bigint,
-    max_queued integer, reason text, holder text
+    max_queued integer, reason text, holder text, durations jsonb, oldest_age double precision
 )
-LANGUAGE plpgsql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE
+-- Generic plans: with custom plans (the default) PostgreSQL planned some of its
+-- statements again at every call, which doubled the time of a refusal (measured).
+SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     q jsonb;
     i integer;
     n integer := jsonb_array_length(p_quotas);
     v_key text;
     v_limit integer;
+    v_override integer;
+    v_limits integer[] := '{}';
+    v_durations jsonb;
+    v_oldest_age double precision;
     v_statuses text[];
     v_active bigint[] := '{}';
     v_queued bigint[] := '{}';
@@ -79,14 +94,15 @@ BEGIN
         v_key := q->>'key';
         v_limit := (q->>'limit')::integer;
         v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
-        PERFORM 1 FROM durable_concurrencylock l WHERE l.key = v_key FOR UPDATE;
+        SELECT l.limit_override INTO v_override FROM durable_concurrencylock l WHERE l.key = v_key FOR UPDATE;
         IF NOT FOUND THEN
             INSERT INTO durable_concurrencylock (key, "limit", count_statuses, rr_cursor)
             VALUES (v_key, v_limit, q->'statuses', '') ON CONFLICT (key) DO NOTHING;
-            PERFORM 1 FROM durable_concurrencylock l WHERE l.key = v_key FOR UPDATE;
+            SELECT l.limit_override INTO v_override FROM durable_concurrencylock l WHERE l.key = v_key FOR UPDATE;
         END IF;
         UPDATE durable_concurrencylock l SET "limit" = v_limit, count_statuses = q->'statuses'
          WHERE l.key = v_key AND (l."limit" IS DISTINCT FROM v_limit OR l.count_statuses <> q->'statuses');
+        v_limits[i + 1] := COALESCE(v_override, v_limit);
         SELECT count(*) INTO v_count FROM durable_runtag t
          WHERE t.tag = 'concurrency:' || v_key AND t.status = ANY (v_statuses)
            AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
@@ -105,7 +121,7 @@ BEGIN
         i := j;
         q := p_quotas->i;
         v_key := q->>'key';
-        v_limit := (q->>'limit')::integer;
+        v_limit := v_limits[i + 1];
         IF v_limit <= 0 OR (q->>'strategy' = 'reject' AND v_active[i + 1] >= v_limit) THEN
             v_outcome := 'full';
             v_reason := 'limit';
@@ -137,7 +153,7 @@ BEGIN
             i := j;
             q := p_quotas->i;
             v_key := q->>'key';
-            v_limit := (q->>'limit')::integer;
+            v_limit := v_limits[i + 1];
             CONTINUE WHEN v_active[i + 1] < v_limit AND v_queued[i + 1] = 0;
             IF q->>'max_queued' IS NOT NULL AND v_queued[i + 1] >= (q->>'max_queued')::integer THEN
                 v_outcome := 'queue_full';
@@ -175,7 +191,8 @@ BEGIN
         RETURNING id INTO v_pk;
         IF v_pk IS NULL THEN
             RETURN QUERY SELECT 'exists'::text, NULL::text, NULL::text, NULL::integer, NULL::bigint, NULL::bigint,
-                                NULL::integer, NULL::text, NULL::text;
+                                NULL::integer, NULL::text, NULL::text, NULL::jsonb,
+                                NULL::double precision;
             RETURN;
         END IF;
     END IF;
@@ -183,8 +200,17 @@ BEGIN
         IF v_pk IS NOT NULL THEN
             DELETE FROM durable_workflowrun r WHERE r.id = v_pk;  -- the probe of a given run id
         END IF;
+        IF v_limit > 0 AND (v_outcome = 'queue_full' OR v_reason = 'limit') THEN
+            -- The estimate of Retry-After, as durable_admit makes it.
+            v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
+            SELECT (SELECT l.recent_durations FROM durable_concurrencylock l WHERE l.key = v_key),
+                   extract(epoch FROM now() - min(t.created_at))
+              INTO v_durations, v_oldest_age FROM durable_runtag t
+             WHERE t.tag = 'concurrency:' || v_key AND t.status = ANY (v_statuses)
+               AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
+        END IF;
         RETURN QUERY SELECT v_outcome, NULL::text, v_key, v_limit, v_active[i + 1], v_queued[i + 1],
-                            (q->>'max_queued')::integer, v_reason, v_holder;
+                            (q->>'max_queued')::integer, v_reason, v_holder, v_durations, v_oldest_age;
         RETURN;
     END IF;
 
@@ -198,7 +224,7 @@ BEGIN
          WHERE l.key = e->>'key' AND e->>'strategy' = 'group_round_robin';
     END IF;
     RETURN QUERY SELECT 'created'::text, v_status, NULL::text, NULL::integer, NULL::bigint, NULL::bigint,
-                        NULL::integer, NULL::text, NULL::text;
+                        NULL::integer, NULL::text, NULL::text, NULL::jsonb, NULL::double precision;
 END;
 $$;
 
@@ -290,7 +316,8 @@ BEGIN
                    AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace));
             -- Full by a count without its lock: reliable, as each run it counted
             -- promotes on its own release (see Promoter._full).
-            SELECT l."limit", ARRAY(SELECT jsonb_array_elements_text(l.count_statuses)), l.rr_cursor
+            SELECT COALESCE(l.limit_override, l."limit"), ARRAY(SELECT jsonb_array_elements_text(l.count_statuses)),
+                   l.rr_cursor
               INTO v_limit, v_statuses, v_cursor
               FROM durable_concurrencylock l WHERE l.key = v_key;
             IF v_limit IS NOT NULL AND cardinality(v_statuses) > 0 THEN
@@ -316,7 +343,8 @@ BEGIN
                     SELECT l.key FROM durable_runtag t JOIN durable_concurrencylock l
                         ON l.key = substr(t.tag, 13)
                      WHERE t.run_id = v_head.run_pk AND left(t.tag, 12) = 'concurrency:'
-                       AND l."limit" IS NOT NULL AND jsonb_array_length(l.count_statuses) > 0
+                       AND COALESCE(l.limit_override, l."limit") IS NOT NULL
+                       AND jsonb_array_length(l.count_statuses) > 0
                      ORDER BY l.key COLLATE "C");
                 FOREACH v_other IN ARRAY v_run_keys LOOP
                     CONTINUE WHEN v_other = ANY (v_held);
@@ -338,7 +366,7 @@ BEGIN
                 v_blocked := NULL;
                 v_room := NULL;
                 FOREACH v_other IN ARRAY v_run_keys LOOP
-                    SELECT l."limit", ARRAY(SELECT jsonb_array_elements_text(l.count_statuses))
+                    SELECT COALESCE(l.limit_override, l."limit"), ARRAY(SELECT jsonb_array_elements_text(l.count_statuses))
                       INTO v_limit, v_statuses
                       FROM durable_concurrencylock l WHERE l.key = v_other;
                     SELECT count(*) INTO v_count FROM durable_runtag t

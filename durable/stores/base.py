@@ -6,11 +6,13 @@ implements the methods that raise ``NotImplementedError`` here and may keep the
 defaults of the others (``count_runs`` counts ``len(list_runs(...))``, ``admit``
 leaves admission to the engine's generic path, ``claim_journal`` claims without
 reading the journal, ``run_exists`` asks ``get_run``,
-``waiting_parents`` finds none, ``recover`` and ``release_thread`` do nothing).
+``waiting_parents`` finds none, ``recover`` and ``release_thread`` do nothing,
+a store without ``limit_overrides`` has none, without ``retry_estimate`` estimates nothing).
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -67,6 +69,22 @@ class RunRecord:
 
 
 @dataclass(frozen=True)
+class LimitChangeRecord:
+    """One change of a key's limit override (``BaseStore.set_limit_override``):
+    the override and the limit in effect before and after (an override of None:
+    none, the code's limit applies; a limit of None: not known yet)."""
+
+    key: str
+    old_override: int | None
+    new_override: int | None
+    old_limit: int | None
+    new_limit: int | None
+    reason: str
+    changed_by_name: str = ""
+    changed_at: datetime | None = None
+
+
+@dataclass(frozen=True)
 class StepEntry:
     position: int
     name: str
@@ -111,9 +129,34 @@ class BaseStore:
         return len(self.list_runs(tag=tag, statuses=statuses, namespace=namespace))
 
     # -- admission ---------------------------------------------------------
-    def admission(self, quotas: Sequence[Quota]) -> AbstractContextManager[None]:
-        """One transaction holding the lock of every quota's key (in key order)."""
+    def admission(self, quotas: Sequence[Quota]) -> AbstractContextManager[Sequence[Quota] | None]:
+        """One transaction holding the lock of every quota's key (in key order).
+
+        It yields ``quotas`` with the limit in effect on each key, read under its
+        lock (an operator's override replacing the code's limit), or None when
+        the store has no overrides (the engine then applies ``quotas`` as given).
+        """
         raise NotImplementedError
+
+    def limit_overrides(self, keys: Sequence[str]) -> dict[str, int]:
+        """The limit overrides set on ``keys`` (``set_limit_override``), by key,
+        read without a lock. Default: none."""
+        return {}
+
+    def set_limit_override(
+        self, key: str, limit: int | None, *, reason: str, changed_by: Any = None, changed_by_name: str = ""
+    ) -> LimitChangeRecord:
+        """Set (or with None clear) the limit override of ``key`` and record the
+        change, in one transaction holding the key's lock (creating its row if
+        needed): the next admission of the key applies it. ``changed_by``: the
+        user, where the store keeps users (``DjangoStore``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot override limits.")
+
+    def retry_estimate(self, quota: Quota, *, namespace: str | None = None) -> float | None:
+        """Seconds until a slot of ``quota``'s full key should free: the median of
+        its recent run durations minus the age of its oldest run in flight
+        (counted in ``namespace``); None when nothing is measured. Default: None."""
+        return None
 
     def admit(
         self, record: RunRecord, quotas: Sequence[Quota], *, count_namespace: str | None, run_id_given: bool = False
@@ -318,3 +361,25 @@ def redispatch_cutoffs(now: datetime, redispatch_after: float) -> list[datetime]
 def group_keys(tags: Sequence[str]) -> dict[str, str]:
     """For each tag, the group of its run for round-robin hand-off: the run's other tags."""
     return {tag: "|".join(sorted(t for t in tags if t != tag)) for tag in tags}
+
+
+#: How many run durations a key keeps for its ``Retry-After`` estimate.
+RECENT_DURATIONS = 16
+#: A finish records its run's duration only when the key's last one is at least
+#: this many seconds old: a sample, which keeps a busy key's row from being
+#: rewritten (and its lock taken) by every finish.
+DURATION_EVERY = 1.0
+
+
+def add_duration(durations: Sequence[float] | None, seconds: float) -> list[float]:
+    """``durations`` with ``seconds`` appended, keeping the last ``RECENT_DURATIONS``."""
+    kept = [*(durations or ()), round(max(0.0, seconds), 3)]
+    return kept[-RECENT_DURATIONS:]
+
+
+def estimate(durations: Sequence[float] | None, oldest_age: float | None) -> float | None:
+    """The median of ``durations`` minus ``oldest_age`` (the age of the key's oldest
+    run in flight, 0 if none); None when no duration is known."""
+    if not durations:
+        return None
+    return float(statistics.median(durations)) - (oldest_age or 0.0)

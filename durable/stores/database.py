@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from django.db import IntegrityError, InterfaceError, OperationalError, connections, transaction
@@ -17,10 +17,21 @@ from django.db.models import CharField, Exists, F, Min, OuterRef, Q, Value
 from django.db.models.functions import Coalesce, Concat
 from django.utils import timezone
 
-from durable import exceptions
+from durable import conf, exceptions
 from durable.concurrency import TAG_PREFIX, Quota
 from durable.status import TERMINAL_STATUSES, RunStatus
-from durable.stores.base import BaseStore, Finished, RunExists, RunRecord, StepEntry, group_keys
+from durable.stores.base import (
+    DURATION_EVERY,
+    BaseStore,
+    Finished,
+    LimitChangeRecord,
+    RunExists,
+    RunRecord,
+    StepEntry,
+    add_duration,
+    estimate,
+    group_keys,
+)
 
 if TYPE_CHECKING:
     from durable.models import WorkflowRun
@@ -135,12 +146,10 @@ class DjangoStore(BaseStore):
 
     # -- admission ---------------------------------------------------------
     @contextmanager
-    def admission(self, quotas: Sequence[Quota]) -> Iterator[None]:
+    def admission(self, quotas: Sequence[Quota]) -> Iterator[Sequence[Quota]]:
         try:
             with transaction.atomic(using=self.using):
-                if quotas:
-                    self._lock(quotas)
-                yield
+                yield self._lock(quotas) if quotas else quotas
         except IntegrityError as exc:
             # The only unique value a start can collide on is the run id: two
             # starters raced with the same explicit id.
@@ -150,13 +159,15 @@ class DjangoStore(BaseStore):
             self._note_limits(quotas)
             raise
 
-    def _lock(self, quotas: Sequence[Quota]) -> None:
+    def _lock(self, quotas: Sequence[Quota]) -> list[Quota]:
         """Lock each key's row, one key at a time in key order (so starts sharing
         several keys can never deadlock), creating a missing row first: a row that
         does not exist locks nothing, and INSERT ... ON CONFLICT DO NOTHING waits
-        for a concurrent insert of the same key."""
+        for a concurrent insert of the same key. Returns ``quotas`` with the limit
+        in effect, an override read from the locked row replacing the code's."""
         Lock = _models().ConcurrencyLock
         locks = Lock.objects.using(self.using).select_for_update()
+        overrides: dict[str, int] = {}
         for quota in sorted(quotas, key=lambda q: q.key):
             statuses = list(quota.count_statuses)
             row = locks.filter(key=quota.key).first()
@@ -167,6 +178,69 @@ class DjangoStore(BaseStore):
                 row = locks.get(key=quota.key)
             if row.limit != quota.limit or row.count_statuses != statuses:
                 Lock.objects.using(self.using).filter(key=quota.key).update(limit=quota.limit, count_statuses=statuses)
+            if row.limit_override is not None:
+                overrides[quota.key] = row.limit_override
+        return [replace(q, limit=overrides[q.key]) if q.key in overrides else q for q in quotas]
+
+    def limit_overrides(self, keys: Sequence[str]) -> dict[str, int]:
+        rows = _models().ConcurrencyLock.objects.using(self.using).filter(key__in=list(keys), limit_override__isnull=False)
+        return dict(rows.values_list("key", "limit_override"))
+
+    def set_limit_override(
+        self, key: str, limit: int | None, *, reason: str, changed_by: Any = None, changed_by_name: str = ""
+    ) -> LimitChangeRecord:
+        """Lock the key's row (creating it, with no known limit, for a key no start
+        has used yet), write the override and its ``LimitChange``, in one transaction."""
+        models = _models()
+        locks = models.ConcurrencyLock.objects.using(self.using)
+        with transaction.atomic(using=self.using):
+            row = locks.select_for_update().filter(key=key).first()
+            if row is None:
+                locks.bulk_create([models.ConcurrencyLock(key=key, count_statuses=[])], ignore_conflicts=True)
+                row = locks.select_for_update().get(key=key)
+            old_override, old_limit = row.limit_override, row.effective_limit
+            row.limit_override = limit
+            locks.filter(key=key).update(limit_override=limit)
+            change = models.LimitChange.objects.using(self.using).create(
+                key=key,
+                old_override=old_override,
+                new_override=limit,
+                old_limit=old_limit,
+                new_limit=row.effective_limit,
+                reason=reason,
+                changed_by=changed_by,
+                changed_by_name=changed_by_name,
+            )
+            change.refresh_from_db(fields=["changed_at"])
+        return LimitChangeRecord(
+            key=key,
+            old_override=old_override,
+            new_override=limit,
+            old_limit=old_limit,
+            new_limit=row.effective_limit,
+            reason=reason,
+            changed_by_name=changed_by_name,
+            changed_at=change.changed_at,
+        )
+
+    def retry_estimate(self, quota: Quota, *, namespace: str | None = None) -> float | None:
+        """The generic path's estimate (PostgreSQL's admission functions make their own):
+        the key's ``recent_durations`` and the creation of its oldest tag in flight."""
+        models = _models()
+        durations = (
+            models.ConcurrencyLock.objects.using(self.using)
+            .filter(key=quota.key)
+            .values_list("recent_durations", flat=True)
+            .first()
+        )
+        if not durations:
+            return None
+        tags = models.RunTag.objects.using(self.using).counting(quota.tag, quota.count_statuses)
+        if namespace is not None:
+            tags = tags.filter(namespace=namespace)
+        oldest = tags.aggregate(oldest=Min("created_at"))["oldest"]
+        age = None if oldest is None else (timezone.now() - oldest).total_seconds()
+        return estimate(durations, age)
 
     def _note_limits(self, quotas: Sequence[Quota]) -> None:
         """Record a refused start's limits and ``count_statuses`` on its keys' rows.
@@ -224,9 +298,12 @@ class DjangoStore(BaseStore):
                 "SELECT * FROM durable_admit(%s::jsonb, %s, %s, %s, %s, %s, %s::jsonb, %s, %s, %s)",
                 [json.dumps(payload), *_start_params(record, count_namespace, run_id_given)],
             )
-            outcome, key, limit, active, _ = cursor.fetchone()
+            outcome, key, limit, active, _, durations, oldest_age = cursor.fetchone()
+        seconds = conf.retry_after_seconds(estimate(_json(durations), oldest_age))
         if outcome == "full":  # the function recorded the refused limits already
-            raise exceptions.ConcurrencyLimitError(workflow=record.workflow, key=key, limit=limit, active=active)
+            raise exceptions.ConcurrencyLimitError(
+                workflow=record.workflow, key=key, limit=limit, active=active, retry_after=seconds
+            )
         if outcome == "exists":
             raise RunExists(record.run_id)
         return True
@@ -270,7 +347,8 @@ class DjangoStore(BaseStore):
                     json.dumps([{"run_id": a.run_id, "status": str(a.status)} for a in ancestors]),
                 ],
             )
-            outcome, status, key, limit, active, queued, max_queued, reason, holder = cursor.fetchone()
+            outcome, status, key, limit, active, queued, max_queued, reason, holder, durations, oldest_age = cursor.fetchone()
+        seconds = conf.retry_after_seconds(estimate(_json(durations), oldest_age))
         if outcome == "created":
             record.status = status
             return True
@@ -278,14 +356,27 @@ class DjangoStore(BaseStore):
             raise RunExists(record.run_id)
         if outcome == "queue_full":
             raise exceptions.ConcurrencyQueueFullError(
-                workflow=record.workflow, key=key, limit=limit, active=active, queued=queued, max_queued=max_queued
+                workflow=record.workflow,
+                key=key,
+                limit=limit,
+                active=active,
+                queued=queued,
+                max_queued=max_queued,
+                retry_after=seconds,
             )
         hint = ""
         if reason == "lifetime":
             hint = exceptions.LIFETIME_CAP_HINT
         elif reason == "ancestor":
             hint = exceptions.holding_ancestor_hint(holder)
-        raise exceptions.ConcurrencyLimitError(workflow=record.workflow, key=key, limit=limit, active=active, hint=hint)
+        raise exceptions.ConcurrencyLimitError(
+            workflow=record.workflow,
+            key=key,
+            limit=limit,
+            active=active,
+            hint=hint,
+            retry_after=seconds,
+        )
 
     def run_exists(self, run_id: str) -> bool:
         """Whether a run has this id, once any start of it not yet committed has ended.
@@ -436,7 +527,26 @@ class DjangoStore(BaseStore):
                 keys = cursor.fetchone()[0]
             return False if keys is None else Finished(held_keys=keys > 0)
         qs = self._runs().filter(run_id=run_id, status=RunStatus.RUNNING, lease=lease)
-        return self._set_status(qs, status, output=output, error=error, lease="", finished_at=timezone.now())
+        with transaction.atomic(using=self.using):
+            now = timezone.now()
+            if not self._set_status(qs, status, output=output, error=error, lease="", finished_at=now):
+                return False
+            held_keys = self._record_durations(run_id, now)
+        return Finished(held_keys=held_keys)
+
+    def _record_durations(self, run_id: str, now: datetime) -> bool:
+        """The generic path of what ``durable_end`` does on PostgreSQL: add the
+        time each of the run's keys' slots was held (from its tag's creation) to
+        the key's ``recent_durations``; whether the run held any key. Elsewhere
+        (SQLite) a write takes the whole database's lock: no row lock to skip."""
+        models = _models()
+        tags = self._tags().filter(run__run_id=run_id, tag__startswith=TAG_PREFIX).values_list("tag", "created_at")
+        held = {tag[len(TAG_PREFIX) :]: (now - created).total_seconds() for tag, created in tags}
+        locks = models.ConcurrencyLock.objects.using(self.using)
+        due = Q(durations_at__isnull=True) | Q(durations_at__lte=now - timedelta(seconds=DURATION_EVERY))
+        for key, durations in locks.filter(due, key__in=list(held)).values_list("key", "recent_durations"):
+            locks.filter(key=key).update(recent_durations=add_duration(durations, held[key]), durations_at=now)
+        return bool(held)
 
     def retry(self, run_id: str, *, from_statuses: Sequence[str], tags: Sequence[str]) -> bool:
         models = _models()

@@ -18,7 +18,18 @@ from django.utils import timezone
 
 from durable.concurrency import TAG_PREFIX, Quota
 from durable.status import TERMINAL_STATUSES, RunStatus
-from durable.stores.base import BaseStore, Finished, RunExists, RunRecord, StepEntry, group_keys
+from durable.stores.base import (
+    DURATION_EVERY,
+    BaseStore,
+    Finished,
+    LimitChangeRecord,
+    RunExists,
+    RunRecord,
+    StepEntry,
+    add_duration,
+    estimate,
+    group_keys,
+)
 
 
 class InMemoryStore(BaseStore):
@@ -33,6 +44,11 @@ class InMemoryStore(BaseStore):
         self._cursors: dict[str, str] = {}
         #: run id -> tag -> group key
         self._groups: dict[str, dict[str, str]] = {}
+        #: key -> an operator's limit; every change of it; key -> recent run durations.
+        self._overrides: dict[str, int] = {}
+        self.limit_changes: list[LimitChangeRecord] = []
+        self._durations: dict[str, list[float]] = {}
+        self._durations_at: dict[str, datetime] = {}
 
     # -- reads -------------------------------------------------------------
     def get_run(self, run_id: str) -> RunRecord | None:
@@ -81,11 +97,48 @@ class InMemoryStore(BaseStore):
 
     # -- admission ---------------------------------------------------------
     @contextmanager
-    def admission(self, quotas: Sequence[Quota]) -> Iterator[None]:
+    def admission(self, quotas: Sequence[Quota]) -> Iterator[Sequence[Quota]]:
         with self._lock:
             for quota in quotas:
                 self._quotas[quota.key] = (quota.limit, tuple(quota.count_statuses))
-            yield
+            yield [replace(q, limit=self._overrides[q.key]) if q.key in self._overrides else q for q in quotas]
+
+    def limit_overrides(self, keys: Sequence[str]) -> dict[str, int]:
+        with self._lock:
+            return {k: self._overrides[k] for k in keys if k in self._overrides}
+
+    def set_limit_override(
+        self, key: str, limit: int | None, *, reason: str, changed_by: Any = None, changed_by_name: str = ""
+    ) -> LimitChangeRecord:
+        with self._lock:
+            code_limit = self._quotas.get(key, (None, ()))[0]
+            old = self._overrides.get(key)
+            if limit is None:
+                self._overrides.pop(key, None)
+            else:
+                self._overrides[key] = limit
+            self._quotas.setdefault(key, (None, ()))
+            change = LimitChangeRecord(
+                key=key,
+                old_override=old,
+                new_override=limit,
+                old_limit=code_limit if old is None else old,
+                new_limit=code_limit if limit is None else limit,
+                reason=reason,
+                changed_by_name=changed_by_name,
+                changed_at=timezone.now(),
+            )
+            self.limit_changes.append(change)
+            return change
+
+    def retry_estimate(self, quota: Quota, *, namespace: str | None = None) -> float | None:
+        with self._lock:
+            durations = self._durations.get(quota.key)
+            if not durations:
+                return None
+            created = [r.created_at for r in self._select(None, quota.tag, quota.count_statuses, namespace) if r.created_at]
+            age = (timezone.now() - min(created)).total_seconds() if created else None
+            return estimate(durations, age)
 
     def run_exists(self, run_id: str) -> bool:
         with self._lock:
@@ -159,16 +212,29 @@ class InMemoryStore(BaseStore):
         return self._update(run_id, self._owned(lease), heartbeat_at=timezone.now())
 
     def finish(self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None) -> bool | Finished:
-        ended = self._update(
-            run_id,
-            self._owned(lease),
-            status=status,
-            output=copy.deepcopy(output),
-            error=error,
-            lease="",
-            finished_at=timezone.now(),
-        )
-        return ended and Finished(held_keys=bool(self.run_keys(run_id)))
+        with self._lock:
+            now = timezone.now()
+            done = self._update(
+                run_id,
+                self._owned(lease),
+                status=status,
+                output=copy.deepcopy(output),
+                error=error,
+                lease="",
+                finished_at=now,
+            )
+            run = self._runs[run_id] if done else None
+            if run is not None and run.created_at is not None:
+                # The time its slots were held, for the keys' Retry-After estimates.
+                for tag in run.tags:
+                    key = tag[len(TAG_PREFIX) :]
+                    last = self._durations_at.get(key)
+                    if tag.startswith(TAG_PREFIX) and (last is None or (now - last).total_seconds() >= DURATION_EVERY):
+                        self._durations[key] = add_duration(self._durations.get(key), (now - run.created_at).total_seconds())
+                        self._durations_at[key] = now
+            if run is None:
+                return False
+            return Finished(held_keys=any(tag.startswith(TAG_PREFIX) for tag in run.tags))
 
     def retry(self, run_id: str, *, from_statuses: Sequence[str], tags: Sequence[str]) -> bool:
         with self._lock:

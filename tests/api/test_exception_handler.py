@@ -60,7 +60,8 @@ def test_project_view_turns_a_full_quota_into_429(settings: Any) -> None:
     assert response.status_code == 429
     assert response["Retry-After"] == "4"
     body = response.json()
-    assert set(body) == {"detail", "code", "workflow", "key", "limit", "active"}
+    assert set(body) == {"detail", "code", "workflow", "key", "limit", "active", "retry_after"}
+    assert body["retry_after"] == 4
     assert (body["code"], body["workflow"], body["key"], body["limit"], body["active"]) == (
         "concurrency_limit",
         "test.add",

@@ -64,6 +64,8 @@ def test_quota_detail_counts_only_the_counted_statuses(api: APIClient) -> None:
         "active": 1,
         "queued": 1,
         "limit": 5,
+        "code_limit": 5,
+        "limit_override": None,
         "count_statuses": ["running"],
         "oldest_active_at": response.json()["oldest_active_at"],
         "oldest_queued_at": response.json()["oldest_queued_at"],
@@ -158,10 +160,10 @@ def test_a_refused_start_shows_the_limit_it_was_refused_with(api: APIClient, adm
 
     page = admin_client.get(reverse("admin:durable_concurrencylock_changelist")).content.decode()
     row = page[page.index(">plan:acme</a>") :]
-    assert f'<td class="field-limit">{new_limit}</td>' in row[: row.index("</tr>")]
-    detail = admin_client.get(reverse("admin:durable_concurrencylock_change", args=[quote("plan:acme")]))
-    assert f'<div class="readonly">{new_limit}</div>' in detail.content.decode()
-    assert '<div class="readonly">5</div>' not in detail.content.decode()
+    assert f'<span class="durable-use-count">3 / {new_limit}</span>' in row[: row.index("</tr>")]
+    detail = admin_client.get(reverse("admin:durable_concurrencylock_change", args=[quote("plan:acme")])).content.decode()
+    assert f'<div class="readonly">{new_limit} (from the code)' in detail
+    assert '<div class="readonly">5 (from the code)' not in detail
 
 
 @pytest.mark.postgres

@@ -381,7 +381,7 @@ def test_quota_change_page_is_read_only_with_counts(admin_client: Client) -> Non
     assert b'name="_save"' not in response.content
     # running and suspended occupy a slot by default; failed does not.
     assert '<div class="readonly">2</div>' in content
-    assert '<div class="readonly">4</div>' in content
+    assert '<div class="readonly">4 (from the code)' in content
     assert '<span class="durable-use-count">2 / 4</span>' in content
     assert admin_client.get(reverse("admin:durable_concurrencylock_add")).status_code == 403
     delete_url = reverse("admin:durable_concurrencylock_delete", args=[quote("tenant:acme")])

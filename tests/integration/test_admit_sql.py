@@ -16,7 +16,7 @@ import durable
 from durable import Concurrency, ConcurrencyLimitError, Engine, InMemoryStore
 from durable.concurrency import resolve
 from durable.runtime import Registry
-from durable.stores.base import RunExists, RunRecord
+from durable.stores.base import RunExists, RunRecord, estimate
 
 SQL = Path(durable.__file__).resolve().parent / "sql"
 #: Each current copy in durable/sql/ and the functions its file defines.
@@ -30,6 +30,10 @@ FUNCTIONS = {
 def newest_migration_sql(name: str = "admit") -> Path:
     """The newest versioned file of ``name`` (``NNNN_<name>*.sql``)."""
     return sorted((SQL / "migrations").glob(f"[0-9][0-9][0-9][0-9]_{name}*.sql"))[-1]
+
+
+def _json(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str) else value
 
 
 def normalise(sql: str) -> str:
@@ -108,7 +112,9 @@ def test_each_outcome_of_the_function_is_the_generic_paths(store: str) -> None:
     assert outcome[0] == "created" and outcome[4] is not None
     assert _generic(engine, f"{key}:g1", quota) == "created"
     # full: the key is at its limit, a fresh run id
-    assert _call(f"{key}:2", payload, given=False) == ("full", key, 1, 1, None)
+    refused = _call(f"{key}:2", payload, given=False)
+    assert refused[:6] == ("full", key, 1, 1, None, None)  # nothing measured: no durations
+    assert refused[6] >= 0  # the age of the run in flight
     assert _generic(engine, f"{key}:g2", quota) == "full"
     # exists: the key is full, but the given run id is taken: a re-start, never refused
     assert _call(f"{key}:1", payload, given=True)[0] == "exists"
@@ -149,3 +155,34 @@ def test_a_refusal_writes_the_keys_row_only_when_its_limit_changed() -> None:
     assert _call(f"{key}:r9", payload(0), given=False)[:3] == ("full", key, 0)
     after = row()
     assert after[1] == 0 and after[0] != before[0]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_the_override_on_the_keys_row_replaces_the_given_limit_and_the_row_keeps_the_codes() -> None:
+    key = f"sql:{uuid.uuid4().hex}"
+    payload = [{"key": key, "limit": 1, "statuses": ["pending", "running"], "group": ""}]
+    assert _call(f"{key}:1", payload, given=False)[0] == "created"
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE durable_concurrencylock SET limit_override = 2 WHERE key = %s", [key])
+    assert _call(f"{key}:2", payload, given=False)[0] == "created"  # room under 2, past the step-1 count too
+    assert _call(f"{key}:3", payload, given=False)[:4] == ("full", key, 2, 2)
+    with connection.cursor() as cursor:
+        cursor.execute('SELECT "limit", limit_override FROM durable_concurrencylock WHERE key = %s', [key])
+        assert cursor.fetchone() == (1, 2)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_a_refusal_answers_the_rows_durations_and_the_age_of_the_oldest_in_flight() -> None:
+    key = f"sql:{uuid.uuid4().hex}"
+    payload = [{"key": key, "limit": 1, "statuses": ["pending", "running"], "group": ""}]
+    assert _call(f"{key}:1", payload, given=False)[0] == "created"
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE durable_concurrencylock SET recent_durations = '[10, 50, 40]'::jsonb WHERE key = %s", [key])
+        cursor.execute(
+            "UPDATE durable_runtag SET created_at = now() - interval '15 seconds' WHERE tag = %s", [f"concurrency:{key}"]
+        )
+    outcome = _call(f"{key}:2", payload, given=False)
+    assert outcome[0] == "full" and _json(outcome[5]) == [10, 50, 40] and 15.0 <= outcome[6] <= 16.0, outcome
+    assert estimate(_json(outcome[5]), outcome[6]) == pytest.approx(25.0, abs=1.0)  # median 40 minus 15 in flight
