@@ -198,7 +198,17 @@ class RunSerializer(serializers.ModelSerializer):
     """A run, with its tags and the journal of its finished steps.
 
     Expects ``parent`` selected and ``tags``/``steps`` prefetched (see ``views.runs``).
+    The ``traceback`` of a failed run's ``error`` (file paths and source lines of the
+    project) is shown to staff users only: give the serializer the ``request`` in its
+    context, or nobody sees it.
     """
+
+    def to_representation(self, instance: Any) -> Any:
+        data = super().to_representation(instance)
+        error = data.get("error")
+        if isinstance(error, dict) and "traceback" in error and not _is_staff(self.context.get("request")):
+            data["error"] = {name: value for name, value in error.items() if name != "traceback"}
+        return data
 
     parent_run_id = serializers.CharField(source="parent.run_id", read_only=True, allow_null=True)
     tags: serializers.SlugRelatedField[models.RunTag] = serializers.SlugRelatedField(many=True, read_only=True, slug_field="tag")
@@ -399,3 +409,8 @@ class CreateScheduleSerializer(serializers.Serializer):
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         _refuse_unknown_fields(self)
         return attrs
+
+
+def _is_staff(request: Any) -> bool:
+    user = getattr(request, "user", None)
+    return bool(user is not None and user.is_active and user.is_staff)

@@ -109,7 +109,7 @@ class RunListView(DurableAPIView):
 
     def get(self, request: Request) -> Response:
         page = self.paginate_queryset(self.get_queryset())
-        return self.get_paginated_response(serializers.RunSerializer(page, many=True).data)
+        return self.get_paginated_response(serializers.RunSerializer(page, many=True, context={"request": request}).data)
 
     def post(self, request: Request) -> Response:
         dry_run = _flag(request.query_params, "dry_run")
@@ -130,7 +130,7 @@ class RunListView(DurableAPIView):
         if key is not None and not handle.created:
             idempotency.check_same_request(run, data["workflow"], check_json(data["input"], what="the workflow input"))
         code = status.HTTP_201_CREATED if handle.created else status.HTTP_200_OK
-        return Response(serializers.RunSerializer(run).data, status=code)
+        return Response(serializers.RunSerializer(run, context={"request": request}).data, status=code)
 
     def perform_start(self, serializer: serializers.StartRunSerializer, idempotency_key: str | None = None) -> RunHandle:
         # An explicit run id of another tenant's or another workflow's run raises
@@ -156,7 +156,7 @@ class RunDetailView(DurableAPIView):
     serializer_class = serializers.RunSerializer
 
     def get(self, request: Request, run_id: str) -> Response:
-        return Response(serializers.RunSerializer(self.get_run(run_id)).data)
+        return Response(serializers.RunSerializer(self.get_run(run_id), context={"request": request}).data)
 
 
 class RunCancelView(DurableAPIView):
@@ -166,7 +166,7 @@ class RunCancelView(DurableAPIView):
 
     def post(self, request: Request, run_id: str) -> Response:
         self.engine.cancel(_check_run_id(run_id))  # RunNotFound (404) for another tenant's run
-        return Response(serializers.RunSerializer(self.get_run(run_id)).data)
+        return Response(serializers.RunSerializer(self.get_run(run_id), context={"request": request}).data)
 
 
 class RunSignalView(DurableAPIView):
@@ -181,7 +181,9 @@ class RunSignalView(DurableAPIView):
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
         self.engine.signal(_check_run_id(run_id), data["name"], data["payload"])
-        return Response(serializers.RunSerializer(self.get_run(run_id)).data, status=status.HTTP_202_ACCEPTED)
+        return Response(
+            serializers.RunSerializer(self.get_run(run_id), context={"request": request}).data, status=status.HTTP_202_ACCEPTED
+        )
 
 
 class QuotaListView(DurableAPIView):

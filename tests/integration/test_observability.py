@@ -134,3 +134,15 @@ def test_the_admin_and_the_api_show_a_failed_runs_traceback(admin_client: Any, a
     detail = api.get(f"/durable/runs/{handle.run_id}/")
     assert detail.status_code == 200, detail.content
     assert detail.json()["error"]["traceback"] == traceback
+
+    # Anyone else authenticated sees the error without the project's file paths and source lines.
+    from django.contrib.auth import get_user_model
+
+    api.force_authenticate(get_user_model().objects.create_user("tenant-user"))
+    for url in (f"/durable/runs/{handle.run_id}/", "/durable/runs/"):
+        response = api.get(url)
+        assert response.status_code == 200, response.content
+        body = response.json()
+        error = body["error"] if "error" in body else next(r for r in body["results"] if r["run_id"] == handle.run_id)["error"]
+        assert error["type"] == "durable.exceptions.FatalError" and "no retry for this" in error["message"]
+        assert "traceback" not in error
