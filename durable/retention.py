@@ -7,7 +7,8 @@ waits on: never a ``ConcurrencyLock`` row, and only the tag rows of the finished
 runs it deletes (admission counts the tag rows of in-flight statuses, a range of
 the ``(tag, status)`` index the purge does not write). The batch's runs are
 locked ``FOR UPDATE SKIP LOCKED`` (on PostgreSQL) and read again under the lock,
-so a run retried meanwhile is left alone; so is a run with an unfinished child.
+so a run retried meanwhile is left alone; so is a run with an unfinished child,
+and a run a quota still counts (a lifetime cap: a key counting finished statuses).
 
 The children rows (tags, steps, signals) are deleted with one ``DELETE ... IN``
 per table and batch, not collected in Python the way ``QuerySet.delete()`` does.
@@ -22,8 +23,9 @@ from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, models, transaction
-from django.db.models import Q
+from django.db.models import Exists, OuterRef, Q
 
+from durable.concurrency import TAG_PREFIX
 from durable.conf import settings
 from durable.status import ACTIVE_STATUSES, RunStatus
 
@@ -116,6 +118,24 @@ def with_unfinished_children(ids: Sequence[int], *, using: str = "default") -> s
         return {row[0] for row in cursor.fetchall()}
 
 
+def still_counted(ids: Sequence[int], *, using: str = "default") -> set[int]:
+    """Which of the finished runs ``ids`` a quota still counts (kept by a purge): a
+    key whose ``count_statuses`` include the run's finished status, a lifetime cap
+    such as ``["pending", "running", "completed"]``. Deleting such a run would give
+    its key a slot back. One read of the batch's quota tags, one of their keys' rows."""
+    models_ = _models()
+    tags = list(
+        models_.RunTag.objects.using(using)
+        .filter(run_id__in=ids, tag__startswith=TAG_PREFIX)
+        .values_list("run_id", "tag", "status")
+    )
+    if not tags:
+        return set()
+    keys = {tag[len(TAG_PREFIX) :] for _, tag, _ in tags}
+    counted = dict(models_.ConcurrencyLock.objects.using(using).filter(key__in=keys).values_list("key", "count_statuses"))
+    return {run_id for run_id, tag, status in tags if status in (counted.get(tag[len(TAG_PREFIX) :]) or ())}
+
+
 def _within(connection: Any, ids: Sequence[int]) -> tuple[str, list[Any]]:
     """``column <this>`` matches ``ids``: one array parameter on PostgreSQL (planned
     the same whatever the batch size), a list of parameters elsewhere."""
@@ -125,19 +145,24 @@ def _within(connection: Any, ids: Sequence[int]) -> tuple[str, list[Any]]:
 
 
 def count_purgeable(before: Mapping[str, datetime], *, using: str = "default", namespace: str | None = None) -> dict[str, int]:
-    """How many runs a purge with these cutoffs (``{status: finished before}``) would delete, by status."""
+    """How many runs a purge with these cutoffs (``{status: finished before}``) would
+    delete, by status: those it keeps (an unfinished child, counted by a quota) left out."""
+    runs = _models().WorkflowRun._base_manager.using(using)
     counts = {}
     for status, cutoff in before.items():
-        kept = (
-            _models()
-            .WorkflowRun._base_manager.using(using)
-            .filter(status__in=ACTIVE_STATUSES, parent__in=purgeable(status, cutoff, using=using, namespace=namespace))
-            .values("parent_id")
-            .distinct()
-            .count()
-        )
-        counts[status] = purgeable(status, cutoff, using=using, namespace=namespace).count() - kept
+        unfinished_child = runs.filter(status__in=ACTIVE_STATUSES, parent_id=OuterRef("pk"))
+        found = purgeable(status, cutoff, using=using, namespace=namespace).filter(~Exists(unfinished_child))
+        counting = [TAG_PREFIX + key for key in _keys_counting(status, using)]
+        if counting:
+            found = found.exclude(tags__tag__in=counting)
+        counts[status] = found.count()
     return counts
+
+
+def _keys_counting(status: str, using: str) -> list[str]:
+    """The keys whose quota counts the finished ``status`` (lifetime caps; usually none)."""
+    rows = _models().ConcurrencyLock.objects.using(using).values_list("key", "count_statuses")
+    return [key for key, statuses in rows.iterator() if status in (statuses or ())]
 
 
 #: Where a purge of one status stands: the (finished_at, id) of the last run it read.
@@ -171,7 +196,8 @@ def purge_batch(
         rows = list(qs.values_list("id", "run_id", "finished_at")[:limit])
         if not rows:
             return [], None
-        kept = with_unfinished_children([row[0] for row in rows], using=using)
+        ids = [row[0] for row in rows]
+        kept = with_unfinished_children(ids, using=using) | still_counted(ids, using=using)
         doomed = [row for row in rows if row[0] not in kept]
         if doomed:
             _delete(using, [row[0] for row in doomed])

@@ -420,6 +420,11 @@ class InMemoryStore(BaseStore):
     def purge_finished(self, before: Mapping[str, datetime], *, limit: int) -> list[str]:
         with self._lock:
             unfinished_parents = {r.parent_run_id for r in self._runs.values() if r.status not in TERMINAL_STATUSES}
+
+            def still_counted(run: RunRecord) -> bool:  # by a lifetime cap (see retention.still_counted)
+                keys = (tag[len(TAG_PREFIX) :] for tag in run.tags if tag.startswith(TAG_PREFIX))
+                return any(run.status in self._quotas.get(key, (None, ()))[1] for key in keys)
+
             order = {status: i for i, status in enumerate(before)}
             expired = sorted(
                 (
@@ -429,6 +434,7 @@ class InMemoryStore(BaseStore):
                     and r.finished_at is not None
                     and r.finished_at < before[r.status]
                     and r.run_id not in unfinished_parents
+                    and not still_counted(r)
                 ),
                 key=lambda r: (order[r.status], r.finished_at),
             )[:limit]

@@ -302,6 +302,20 @@ def test_purge_by_status_and_dry_run() -> None:
     assert not models.RunTag.objects.filter(run_id=failed.pk).exists()
 
 
+def test_purge_keeps_the_runs_a_lifetime_cap_counts() -> None:
+    capped = WorkflowRunFactory(status=RunStatus.COMPLETED, finished_at=timezone.now() - timedelta(days=40))
+    tagged(capped, TAG_PREFIX + "cap:acme")
+    models.ConcurrencyLock.objects.create(key="cap:acme", limit=1, count_statuses=["pending", "running", "completed"])
+    plain = finished_run(RunStatus.COMPLETED, timedelta(days=40))
+
+    out, _ = durable("purge", "--older-than", "30d", "--dry-run")
+    assert "Would delete 1 run finished before" in out
+    out, _ = durable("purge", "--older-than", "30d")
+    assert "Deleted 1 run" in out
+    assert list(models.WorkflowRun.objects.values_list("pk", flat=True)) == [capped.pk]
+    assert not models.WorkflowRun.objects.filter(pk=plain.pk).exists()
+
+
 def test_purge_keeps_a_parent_with_an_unfinished_child_and_unlinks_finished_children() -> None:
     waiting_parent = finished_run(RunStatus.FAILED, timedelta(days=2))
     WorkflowRunFactory(status=RunStatus.RUNNING, parent=waiting_parent)

@@ -10,7 +10,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
-from durable import DjangoStore, Engine, checks, models, retention
+from durable import Concurrency, ConcurrencyLimitError, DjangoStore, Engine, RunStatus, checks, models, retention
 from durable.stores import RunRecord
 from durable.testing import StepRecordFactory, WorkflowRunFactory, tagged
 
@@ -150,3 +150,22 @@ def test_a_batch_is_no_bigger_than_the_database_takes_parameters(monkeypatch: An
     run_ids, cursor = retention.purge_batch("completed", timezone.now() - timedelta(days=1), limit=5000)
     assert len(run_ids) == 3 and cursor is not None
     assert retention.purge({"completed": timezone.now() - timedelta(days=1)}) == {"completed": 2}
+
+
+@pytest.mark.django_db
+def test_a_run_a_lifetime_cap_still_counts_is_kept(engine: Engine, settings: Any) -> None:
+    """Deleting a completed run that its key counts (count_statuses with "completed")
+    would hand the cap a slot back: the purge keeps it, and the cap stays full."""
+    settings.DURABLE = {**settings.DURABLE, "RETENTION": "0s"}
+    lifetime = Concurrency(key="cap:acme", limit=1, count_statuses=["pending", "running", "completed"])
+    engine.register("retention.capped", "1", lambda ctx, input: None, lifetime)
+    engine.register("retention.plain", "1", lambda ctx, input: None, Concurrency(key="plain:acme", limit=1))
+    capped, plain = engine.start("retention.capped"), engine.start("retention.plain")
+    engine.execute(capped.run_id)
+    engine.execute(plain.run_id)
+
+    assert engine.sweep()["purged"] == [plain.run_id]
+    assert engine.get_run(capped.run_id).status == RunStatus.COMPLETED
+    with pytest.raises(ConcurrencyLimitError):
+        engine.start("retention.capped")
+    assert engine.sweep()["purged"] == []
