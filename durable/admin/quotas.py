@@ -288,10 +288,10 @@ class ConcurrencyQuotaAdmin(admin.ModelAdmin):
         return format_html('<span class="durable-queued">{}</span>', info.queued)
 
     @admin.display(description="longest queued")
-    def oldest_queued(self, lock: models.ConcurrencyLock) -> SafeString | None:
+    def oldest_queued(self, lock: models.ConcurrencyLock) -> SafeString | str:
         info = _info(lock)
         if info is None or info.oldest_queued_at is None:
-            return None
+            return self.get_empty_value_display()  # a change page shows a None as "None"
         return format_html(
             '<span class="durable-duration" title="queued since {}">waiting {}</span>',
             timestamp(info.oldest_queued_at),
@@ -299,10 +299,10 @@ class ConcurrencyQuotaAdmin(admin.ModelAdmin):
         )
 
     @admin.display(description="oldest in flight")
-    def oldest_in_flight(self, lock: models.ConcurrencyLock) -> SafeString | str | None:
+    def oldest_in_flight(self, lock: models.ConcurrencyLock) -> SafeString | str:
         info = _info(lock)
         if info is None or info.oldest_active_at is None:
-            return None
+            return self.get_empty_value_display()
         return ago(info.oldest_active_at)
 
     @admin.display(description="counts")

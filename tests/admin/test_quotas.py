@@ -126,6 +126,7 @@ def test_detail_page_lists_the_runs_in_flight_and_queued_with_ages(admin_client:
     assert "+00:00" not in content  # no raw datetimes
     idle = admin_client.get(quota_url("tenant:zzz-idle")).content.decode()
     assert "No run in flight." in idle and "No run queued." in idle and "Oldest queued" not in idle
+    assert "None" not in idle.replace("NoneType", "")  # nothing queued, nothing in flight: "—", not "None"
 
 
 def test_detail_page_lists_at_most_a_page_of_runs(admin_client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
