@@ -173,44 +173,9 @@ class WorkflowRunAdmin(admin.ModelAdmin):
     inlines = (StepRecordInline,)
     actions = ("cancel_runs", "retry_runs")
     change_form_template = "admin/durable/workflowrun/change_form.html"
-    fieldsets = (
-        (
-            None,
-            {
-                "fields": (
-                    "run_id",
-                    "workflow",
-                    "version",
-                    "namespace",
-                    "status_mark",
-                    "current_step",
-                    "took",
-                    "attempt",
-                    "parent",
-                    "tag_list",
-                )
-            },
-        ),
-        ("Input and result", {"fields": ("input_json", "output_json", "error_json")}),
-        (
-            "Execution",
-            {
-                "fields": (
-                    "queue",
-                    "waiting_for",
-                    "wake",
-                    "worker",
-                    "created",
-                    "dispatched",
-                    "started",
-                    "heartbeat",
-                    "updated",
-                    "finished",
-                )
-            },
-        ),
-    )
-    readonly_fields = (
+    #: The run's page: what it is, its input and result, how it executes. Every field is
+    #: read-only: a run changes state only through the engine.
+    _SUMMARY = (
         "run_id",
         "workflow",
         "version",
@@ -221,12 +186,16 @@ class WorkflowRunAdmin(admin.ModelAdmin):
         "attempt",
         "parent",
         "tag_list",
-        "queue",
-        "waiting_for",
-        "wake",
+    )
+    _RESULT = (
         "input_json",
         "output_json",
         "error_json",
+    )
+    _EXECUTION = (
+        "queue",
+        "waiting_for",
+        "wake",
         "worker",
         "created",
         "dispatched",
@@ -235,6 +204,8 @@ class WorkflowRunAdmin(admin.ModelAdmin):
         "updated",
         "finished",
     )
+    fieldsets = ((None, {"fields": _SUMMARY}), ("Input and result", {"fields": _RESULT}), ("Execution", {"fields": _EXECUTION}))
+    readonly_fields = _SUMMARY + _RESULT + _EXECUTION
 
     class Media:
         css = {"all": ("durable/admin.css",)}

@@ -117,6 +117,22 @@ def test_finish_is_one_call(engine: Engine, django_assert_num_queries) -> None:
     assert set(RunTag.objects.filter(run__run_id=handle.run_id).values_list("status", flat=True)) == {"completed"}
 
 
+@pytest.mark.postgres
+def test_durable_finish_still_ends_a_run_for_workers_of_the_previous_release(engine: Engine) -> None:
+    """durable_finish (what a worker of the previous release calls while a deploy
+    rolls) answers as before: true for the run's own lease, false otherwise."""
+    handle = engine.start("w", {"key": "tenant:a"})
+    assert engine.store.claim_journal(handle.run_id, lease="l", worker="w", stale_before=timezone.now())
+    call = "SELECT durable_finish(%s, %s, 'completed', NULL, NULL, now())"
+    with connection.cursor() as cursor:
+        cursor.execute(call, [handle.run_id, "other"])
+        assert cursor.fetchone()[0] is False
+        cursor.execute(call, [handle.run_id, "l"])
+        assert cursor.fetchone()[0] is True
+    assert engine.get_run(handle.run_id).status == RunStatus.COMPLETED
+    assert set(RunTag.objects.filter(run__run_id=handle.run_id).values_list("status", flat=True)) == {"completed"}
+
+
 #: A one-step run on PostgreSQL: durable_claim (with the journal; it proves the run
 #: this execution's, so the first step reads nothing before it runs),
 #: durable_record_step and durable_end. A run without a quota key stops there; one

@@ -83,9 +83,11 @@ BEGIN
 END;
 $$;
 
--- durable_finish: end a run running under p_lease with p_status (clearing the
--- lease), mirror the status on its tags; false when the run no longer belongs
--- to p_lease. In the same statement as the tags, append the time the run held
+-- durable_end: end a run running under p_lease with p_status (clearing the
+-- lease), mirror the status on its tags; NULL when the run no longer belongs to
+-- p_lease, else the number of the run's quota keys (its tags named
+-- 'concurrency:...'): 0 means no slot was freed, so the caller skips the hand-off.
+-- In the same statement as the tags, append the time the run held
 -- each key's slot (now minus its tag's creation) to the key's recent_durations
 -- (the last 16, what a refusal's Retry-After is estimated from): a sample, only
 -- when the key's last one is a second old or more (durations_at), so a busy key's
@@ -93,52 +95,6 @@ $$;
 -- every admission of the key reads past until it is pruned), and skipping a row
 -- another transaction holds locked (a starter of the key): a finish never waits
 -- for admission.
-CREATE OR REPLACE FUNCTION durable_finish(
-    p_run_id text,
-    p_lease text,
-    p_status text,
-    p_output jsonb,
-    p_error jsonb,
-    p_now timestamp with time zone
-) RETURNS boolean
-LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    v_pk bigint;
-BEGIN
-    UPDATE durable_workflowrun r
-       SET status = p_status, updated_at = p_now, output = p_output, error = p_error, lease = '', finished_at = p_now
-     WHERE r.run_id = p_run_id AND r.status = 'running' AND r.lease = p_lease
-    RETURNING r.id INTO v_pk;
-    IF NOT FOUND THEN
-        RETURN false;
-    END IF;
-    WITH held AS (
-        UPDATE durable_runtag t SET status = p_status WHERE t.run_id = v_pk
-        RETURNING substr(t.tag, 13) AS key, left(t.tag, 12) = 'concurrency:' AS quota,
-                  round(greatest(extract(epoch FROM p_now - t.created_at), 0)::numeric, 3) AS seconds
-    ), free AS (
-        SELECT l.key, h.seconds FROM durable_concurrencylock l JOIN held h ON h.quota AND l.key = h.key
-         WHERE l.durations_at IS NULL OR l.durations_at <= p_now - interval '1 second'
-           FOR UPDATE OF l SKIP LOCKED
-    )
-    UPDATE durable_concurrencylock l
-       SET durations_at = p_now,
-           recent_durations = CASE
-               WHEN jsonb_array_length(COALESCE(l.recent_durations, '[]'::jsonb)) >= 16
-               THEN (l.recent_durations - 0) || to_jsonb(f.seconds)
-               ELSE COALESCE(l.recent_durations, '[]'::jsonb) || to_jsonb(f.seconds) END
-      FROM free f
-     WHERE l.key = f.key;
-    RETURN true;
-END;
-$$;
-
--- durable_end: durable_finish that also says whether a promote must follow. NULL
--- when the run no longer belongs to p_lease, else the number of the run's quota
--- keys (its tags named 'concurrency:...'): 0 means no slot was freed, so the
--- caller skips the hand-off. It records durations as durable_finish does, in the
--- same statement. durable_finish stays for workers of the previous release while
--- a deploy rolls.
 CREATE OR REPLACE FUNCTION durable_end(
     p_run_id text,
     p_lease text,
@@ -180,4 +136,18 @@ BEGIN
     SELECT count(*) FILTER (WHERE held.quota) INTO v_keys FROM held;
     RETURN v_keys;
 END;
+$$;
+
+-- durable_finish: durable_end's answer as a boolean (false: the run no longer
+-- belongs to p_lease), for workers of the previous release while a deploy rolls.
+CREATE OR REPLACE FUNCTION durable_finish(
+    p_run_id text,
+    p_lease text,
+    p_status text,
+    p_output jsonb,
+    p_error jsonb,
+    p_now timestamp with time zone
+) RETURNS boolean
+LANGUAGE sql VOLATILE AS $$
+    SELECT durable_end(p_run_id, p_lease, p_status, p_output, p_error, p_now) IS NOT NULL;
 $$;
