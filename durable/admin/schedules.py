@@ -47,8 +47,11 @@ def cron_in_words(cron: str) -> str:
         fields = cron.split()
         if len(fields) == 5 and fields[2] not in ("*", "?") and fields[4] not in ("*", "?"):
             weekday = descriptor.get_description(cron_descriptor.DescriptionTypeEnum.DAYOFWEEK)
-            if weekday.startswith(", or "):
-                words = words.replace(weekday, ", if that day is " + weekday.removeprefix(", or ").removeprefix("on "))
+            # cron-descriptor 2 joins the two with ", or on Monday", 1.x with ", only on Monday".
+            for joiner in (", or ", ", only "):
+                if weekday.startswith(joiner):
+                    words = words.replace(weekday, ", if that day is " + weekday.removeprefix(joiner).removeprefix("on "))
+                    break
     except Exception:  # cron-descriptor raises its own and plain errors on odd input: no words then
         return ""
     return str(words)

@@ -222,8 +222,9 @@ def test_refuses_sqlite() -> None:
     assert done.stdout == ""
 
 
-def test_durable_installs_no_management_command() -> None:
-    """The benchmark is no management command: in a user's project it could only fail (it needs the checkout)."""
+def test_the_benchmark_is_no_management_command() -> None:
+    """The benchmark is no management command: in a user's project it could only fail (it
+    needs the checkout). durable installs one command, the operator's ``durable``."""
     commands = get_commands()
     assert "durable_bench" not in commands
-    assert sorted(name for name, app in commands.items() if app == "durable") == []
+    assert sorted(name for name, app in commands.items() if app == "durable") == ["durable"]
