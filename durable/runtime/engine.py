@@ -253,8 +253,7 @@ class Engine:
             assert existing is not None
             return self._restarted(existing, definition.name)
         except exceptions.ConcurrencyLimitError as exc:
-            if signals.start_refused.has_listeners(self):
-                self._refused(exc, record.run_id if given else None)
+            self._refused(exc, record.run_id if given else None)
             raise
         if signals._run_created.has_listeners(self) or signals.run_finished.has_listeners(self):
             self._created(record)
@@ -310,6 +309,8 @@ class Engine:
 
     def _refused(self, exc: exceptions.ConcurrencyLimitError, run_id: str | None) -> None:
         """Send ``start_refused`` at once: a refused start wrote nothing, there is no commit to wait for."""
+        if not signals.start_refused.has_listeners(self):
+            return
         signals.send(
             signals.start_refused,
             self,
@@ -325,15 +326,16 @@ class Engine:
     def _created(self, record: RunRecord) -> None:
         """A start created ``record``: the internal ``_run_created``, and ``run_finished``
         for a run created ``cancelled`` (CANCEL_NEWEST), on commit."""
-        signals.send_on_commit(
-            self.store.on_commit,
-            signals._run_created,
-            self,
-            run_id=record.run_id,
-            workflow=record.workflow,
-            namespace=record.namespace,
-            status=record.status,
-        )
+        if signals._run_created.has_listeners(self):
+            signals.send_on_commit(
+                self.store.on_commit,
+                signals._run_created,
+                self,
+                run_id=record.run_id,
+                workflow=record.workflow,
+                namespace=record.namespace,
+                status=record.status,
+            )
         if record.status == RunStatus.CANCELLED and signals.run_finished.has_listeners(self):
             send_run_finished(self, record, RunStatus.CANCELLED, error=record.error)
 
@@ -494,8 +496,7 @@ class Engine:
                         status=current,
                     )
         except exceptions.ConcurrencyLimitError as exc:
-            if signals.start_refused.has_listeners(self):
-                self._refused(exc, run_id)
+            self._refused(exc, run_id)
             raise
         handle = self.get_run(run_id)
         self.dispatch.send(self, handle.record)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -212,16 +213,7 @@ class DjangoStore(BaseStore):
                 changed_by_name=changed_by_name,
             )
             change.refresh_from_db(fields=["changed_at"])
-        return LimitChangeRecord(
-            key=key,
-            old_override=old_override,
-            new_override=limit,
-            old_limit=old_limit,
-            new_limit=row.effective_limit,
-            reason=reason,
-            changed_by_name=changed_by_name,
-            changed_at=change.changed_at,
-        )
+        return LimitChangeRecord(**{field.name: getattr(change, field.name) for field in dataclasses.fields(LimitChangeRecord)})
 
     def retry_estimate(self, quota: Quota, *, namespace: str | None = None) -> float | None:
         """The generic path's estimate (PostgreSQL's admission functions make their own):
