@@ -30,7 +30,7 @@ from durable.runtime import Dispatcher, Registry
 from durable.stores import RunRecord
 from tests.threads import started
 
-pytestmark = [pytest.mark.postgres, pytest.mark.chaos, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.postgres, pytest.mark.chaos, pytest.mark.load, pytest.mark.django_db(transaction=True)]
 
 FINISHED = 1_000_000
 STARTERS = 3
