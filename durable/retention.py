@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
+from time import monotonic, sleep
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -33,6 +34,10 @@ from durable.status import ACTIVE_STATUSES, RunStatus
 PURGEABLE_STATUSES: tuple[str, ...] = (RunStatus.COMPLETED, RunStatus.CANCELLED, RunStatus.FAILED, RunStatus.DEAD)
 #: Runs per batch of ``manage.py durable purge`` (``--batch-size``).
 BATCH_SIZE = 5000
+#: After each batch, ``manage.py durable purge`` pauses this many times as long as
+#: the batch took (``--pause-factor``): 1.0 leaves the database at least half of the
+#: time to the work it is doing anyway (starts, steps), for twice the purge's duration.
+PAUSE_FACTOR = 1.0
 #: At most this many runs are deleted by one sweep under ``RETENTION``, so a sweep stays short.
 SWEEP_BATCH_SIZE = 1000
 #: The longest duration accepted (100 years): beyond it the cutoff is not a date.
@@ -238,22 +243,28 @@ def purge(
     using: str = "default",
     namespace: str | None = None,
     batch_size: int = BATCH_SIZE,
+    pause_factor: float = 0.0,
     on_batch: Callable[[str, int], None] | None = None,
 ) -> dict[str, int]:
     """Delete every purgeable run (``before``: ``{status: finished before}``) in
-    batches of ``batch_size``; ``on_batch(status, deleted)`` after each batch.
+    batches of ``batch_size``; ``on_batch(status, deleted)`` after each batch, then
+    a pause of ``pause_factor`` times the time the batch took (no transaction open).
     Returns how many runs were deleted, by status."""
     deleted: dict[str, int] = {}
     for status, cutoff in before.items():
         deleted[status] = 0
         cursor: Cursor | None = None
         while True:
+            began = monotonic()
             run_ids, cursor = purge_batch(status, cutoff, limit=batch_size, using=using, namespace=namespace, after=cursor)
+            took = monotonic() - began
             deleted[status] += len(run_ids)
             if on_batch is not None and run_ids:
                 on_batch(status, len(run_ids))
             if cursor is None:
                 break
+            if pause_factor > 0:
+                sleep(took * pause_factor)
     return deleted
 
 

@@ -288,6 +288,29 @@ def test_purge_deletes_old_finished_runs_with_their_rows() -> None:
     assert models.ConcurrencyLock.objects.filter(key="tenant:acme").exists()
 
 
+def test_purge_pauses_between_batches_as_long_as_a_batch_took_times_the_factor(monkeypatch: pytest.MonkeyPatch) -> None:
+    from durable import retention
+
+    for _ in range(5):
+        finished_run(RunStatus.COMPLETED, timedelta(days=40))
+    clock = iter(range(0, 1000, 2))  # each batch takes 2 "seconds" by this clock
+    monkeypatch.setattr(retention, "monotonic", lambda: next(clock))
+    pauses: list[float] = []
+    monkeypatch.setattr(retention, "sleep", pauses.append)
+
+    out, _ = durable("purge", "--older-than", "30d", "--status", "completed", "--batch-size", "2", "--pause-factor", "1.5")
+
+    assert "Deleted 5 runs" in out
+    # Batches of 2, 2 and 1 run: a pause after each batch but the last.
+    assert pauses == [3.0, 3.0]
+    assert not models.WorkflowRun.objects.exists()
+
+    pauses.clear()
+    finished_run(RunStatus.COMPLETED, timedelta(days=40))
+    durable("purge", "--older-than", "30d", "--batch-size", "1", "--pause-factor", "0")
+    assert pauses == []
+
+
 def test_purge_by_status_and_dry_run() -> None:
     completed = finished_run(RunStatus.COMPLETED, timedelta(hours=13))
     failed = finished_run(RunStatus.FAILED, timedelta(hours=13))
@@ -339,6 +362,8 @@ def test_purge_keeps_a_parent_with_an_unfinished_child_and_unlinks_finished_chil
         (["--older-than", "30d", "--status", "running"], "Unknown finished status 'running'"),
         (["--older-than", "30d", "--status", "complete"], "Unknown finished status 'complete'"),
         (["--older-than", "30d", "--batch-size", "0"], "--batch-size must be between 1 and 50000"),
+        (["--older-than", "30d", "--pause-factor", "-1"], "--pause-factor must be between 0 and 100"),
+        (["--older-than", "30d", "--pause-factor", "nan"], "--pause-factor must be between 0 and 100"),
         ([], "the following arguments are required: --older-than"),
     ],
 )

@@ -84,6 +84,13 @@ class Command(BaseCommand):
             help=f"Only these finished statuses (comma separated or repeated; default {','.join(retention.PURGEABLE_STATUSES)}).",
         )
         purge.add_argument("--batch-size", type=int, default=retention.BATCH_SIZE, help="Runs deleted per transaction.")
+        purge.add_argument(
+            "--pause-factor",
+            type=float,
+            default=retention.PAUSE_FACTOR,
+            help="After each batch, pause this many times as long as the batch took (0: no pause; "
+            f"default {retention.PAUSE_FACTOR:g}, which leaves the database at least half of the time).",
+        )
         purge.add_argument("--dry-run", action="store_true", help="Count what would be deleted; delete nothing.")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -310,6 +317,9 @@ class Command(BaseCommand):
         batch_size = options["batch_size"]
         if not 1 <= batch_size <= 50000:
             raise CommandError(f"--batch-size must be between 1 and 50000, got {batch_size}.")
+        pause_factor = options["pause_factor"]
+        if not 0 <= pause_factor <= 100:  # also refuses nan
+            raise CommandError(f"--pause-factor must be between 0 and 100, got {pause_factor}.")
         cutoff = timezone.now() - age
         before = dict.fromkeys(statuses, cutoff)
         using = getattr(engine.store, "using", "default")
@@ -322,7 +332,12 @@ class Command(BaseCommand):
             return
         progress = self._progress("purge", total, options)
         deleted = retention.purge(
-            before, using=using, namespace=namespace, batch_size=batch_size, on_batch=lambda _, n: progress.advance(n)
+            before,
+            using=using,
+            namespace=namespace,
+            batch_size=batch_size,
+            pause_factor=pause_factor,
+            on_batch=lambda _, n: progress.advance(n),
         )
         progress.finish()
         self.stdout.write(f"Deleted {_n(sum(deleted.values()), 'run')} {where}{_by_status(deleted)}.")
