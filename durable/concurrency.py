@@ -12,12 +12,12 @@ import asyncio
 import concurrent.futures
 import enum
 import inspect
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import cel
-from asgiref.sync import async_to_sync
+from asgiref.sync import async_to_sync, sync_to_async
 
 from durable import exceptions
 from durable.status import ALL_STATUSES, DEFAULT_CONCURRENCY_STATUSES, RunStatus
@@ -142,14 +142,27 @@ def normalize(spec: ConcurrencySpec) -> tuple[Concurrency, ...]:
     raise exceptions.InvalidStartError(f"concurrency must be a Concurrency or a list of them, got {spec!r}.")
 
 
-def resolve(specs: Sequence[Concurrency], input: Any) -> list[Quota]:
-    """Compute the quotas of one start (user code runs here, before any lock is taken)."""
+#: Keys and limits computed ahead of ``resolve``, by position in the specs: the key
+#: and its limit (None, None for a start the spec leaves unlimited), or the error
+#: computing them gave.
+Limits = Mapping[int, "tuple[str | None, int | None] | exceptions.InvalidStartError"]
+
+
+def resolve(specs: Sequence[Concurrency], input: Any, *, limits: Limits | None = None) -> list[Quota]:
+    """Compute the quotas of one start (user code runs here, before any lock is taken).
+
+    ``limits``: keys and limits already computed, by position in ``specs`` (what
+    ``aresolve_limits`` awaited); an error among them is raised when its
+    position comes, as computing it here would have."""
     quotas: dict[str, Quota] = {}
-    for spec in specs:
-        key = _resolve_key(spec, input)
+    for position, spec in enumerate(specs):
+        computed = None if limits is None else limits.get(position)
+        if isinstance(computed, exceptions.InvalidStartError):
+            raise computed
+        key, limit = (_resolve_key(spec, input), None) if computed is None else computed
         if key is None:
             continue
-        limit = _resolve_limit(spec, key)
+        limit = _resolve_limit(spec, key) if limit is None else limit
         quota = Quota(key, limit, tuple(spec.count_statuses), Strategy(spec.strategy), spec.max_queued)
         previous = quotas.get(key)
         if previous is not None and previous.limit <= quota.limit:
@@ -158,6 +171,38 @@ def resolve(specs: Sequence[Concurrency], input: Any) -> list[Quota]:
     # A stable order: every starter locks keys in the same order, so several keys
     # can never deadlock against each other.
     return [quotas[k] for k in sorted(quotas)]
+
+
+async def aresolve_limits(specs: Sequence[Concurrency], input: Any) -> dict[int, Any]:
+    """The keys and limits of the ``specs`` whose limit is an async function, that
+    function awaited on the running event loop (no thread hop), by position in
+    ``specs``: what an async start passes to ``resolve`` (see ``Limits``). The
+    other specs are left to ``resolve``.
+
+    An error is returned in place of its limit, for ``resolve`` to raise in the
+    order a sync start would (an idempotent re-start of an existing run id, for
+    one, returns that run before any quota is resolved)."""
+    limits: dict[int, Any] = {}
+    for position, spec in enumerate(specs):
+        if not inspect.iscoroutinefunction(spec.limit):
+            continue
+        try:
+            if callable(spec.key):
+                # A key function may read the database: it runs in a thread, as a sync start runs it.
+                key = await sync_to_async(_resolve_key)(spec, input)
+            else:
+                key = _resolve_key(spec, input)  # a string or a CEL expression: pure
+            if key is None:
+                limits[position] = (None, None)
+                continue
+            try:
+                limit = await spec.limit(key)
+            except Exception as exc:
+                raise _limit_function_error(exc, key) from exc
+            limits[position] = (key, _checked_limit(limit, key))
+        except exceptions.InvalidStartError as exc:
+            limits[position] = exc
+    return limits
 
 
 def _resolve_key(spec: Concurrency, input: Any) -> str | None:
@@ -212,9 +257,15 @@ def _resolve_limit(spec: Concurrency, key: str) -> int:
                 if inspect.isawaitable(limit):
                     limit = _run_async(_await(limit))
         except Exception as exc:
-            raise exceptions.InvalidStartError(
-                f"The concurrency limit function raised {type(exc).__name__} for key {key!r}: {exc}.",
-            ) from exc
+            raise _limit_function_error(exc, key) from exc
+    return _checked_limit(limit, key)
+
+
+def _limit_function_error(exc: Exception, key: str) -> exceptions.InvalidStartError:
+    return exceptions.InvalidStartError(f"The concurrency limit function raised {type(exc).__name__} for key {key!r}: {exc}.")
+
+
+def _checked_limit(limit: Any, key: str) -> int:
     if isinstance(limit, bool) or not isinstance(limit, int):
         raise exceptions.InvalidStartError(f"A concurrency limit must be an integer, got {limit!r} for key {key!r}.")
     _check_limit_range(limit, f"The concurrency limit for key {key!r}")

@@ -14,61 +14,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from rest_framework import status
 from rest_framework import views as drf_views
 from rest_framework.response import Response
 
-from durable import conf, exceptions
-
-#: HTTP status of each durable error the API answers (most specific class first).
-_STATUS_BY_ERROR: tuple[tuple[type[exceptions.DurableError], int], ...] = (
-    (exceptions.ConcurrencyLimitError, status.HTTP_429_TOO_MANY_REQUESTS),
-    (exceptions.InvalidStartError, status.HTTP_400_BAD_REQUEST),
-    (exceptions.UnknownWorkflowError, status.HTTP_404_NOT_FOUND),
-    (exceptions.RunNotFound, status.HTTP_404_NOT_FOUND),
-    (exceptions.InvalidScheduleError, status.HTTP_400_BAD_REQUEST),
-    (exceptions.ScheduleNotFound, status.HTTP_404_NOT_FOUND),
-    (exceptions.RunTerminalError, status.HTTP_409_CONFLICT),
-    (exceptions.RunIdTaken, status.HTTP_409_CONFLICT),
-)
-
-#: Extra fields of a ``ConcurrencyQueueFullError`` copied into the 429 body.
-_QUEUE_FIELDS = ("queued", "max_queued")
-
-
-def retry_after(exc: exceptions.ConcurrencyLimitError | None = None) -> int:
-    """The ``Retry-After`` seconds of a 429: the refusal's own estimate
-    (``exc.retry_after``), else ``DURABLE["RETRY_AFTER"]`` rounded up, at least 1."""
-    seconds = getattr(exc, "retry_after", None)
-    if isinstance(seconds, int) and not isinstance(seconds, bool) and seconds >= 1:
-        return seconds
-    return conf.retry_after_seconds(None)
+from durable import http
 
 
 def durable_error_response(exc: BaseException) -> Response | None:
-    """The response for one of durable's errors, or None when ``exc`` is not one."""
-    status_code = _status_of(exc)
-    if status_code is None or not isinstance(exc, exceptions.DurableError):
+    """The response for one of durable's errors (``durable.http.error_parts``: the
+    same status, body and headers a plain Django view answers with), or None."""
+    parts = http.error_parts(exc)
+    if parts is None:
         return None
-    data: dict[str, Any] = {"detail": str(exc), "code": exc.code}
-    headers: dict[str, str] = {}
-    if isinstance(exc, exceptions.ConcurrencyLimitError):
-        data.update(workflow=exc.workflow, key=exc.key, limit=exc.limit, active=exc.active)
-        # ConcurrencyQueueFullError also says how long the key's queue is.
-        data.update({name: exc.fields[name] for name in _QUEUE_FIELDS if name in exc.fields})
-        seconds = retry_after(exc)
-        data["retry_after"] = seconds
-        headers["Retry-After"] = str(seconds)
+    status, data, headers = parts
     # Like DRF's own handler: roll back ATOMIC_REQUESTS work of the failed request.
     drf_views.set_rollback()
-    return Response(data, status=status_code, headers=headers)
-
-
-def _status_of(exc: BaseException) -> int | None:
-    for error_class, status_code in _STATUS_BY_ERROR:
-        if isinstance(exc, error_class):
-            return status_code
-    return None
+    return Response(data, status=status, headers=headers)
 
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:

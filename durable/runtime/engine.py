@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import unicodedata
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.utils import timezone
 
 from durable import concurrency as _concurrency
@@ -54,15 +56,26 @@ class RunHandle:
         self._record = self._engine._load(self.run_id)
         return self
 
+    async def arefresh(self) -> RunHandle:
+        self._record = await sync_to_async(self._engine._load)(self.run_id)
+        return self
+
     def result(self, timeout: float | None = None) -> Any:
         """Wait for a terminal status; return the output or raise ``RunFailedError``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.01
+        polls = _Polls(self, timeout)
         while self.refresh().status not in TERMINAL_STATUSES:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"Run {self.run_id!r} is still {self.status} after {timeout}s.")
-            time.sleep(delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.25)
+            time.sleep(polls.next_wait())
+        return self._outcome()
+
+    async def aresult(self, timeout: float | None = None) -> Any:
+        """``result`` for async code: it polls without blocking the event loop."""
+        polls = _Polls(self, timeout)
+        while (await self.arefresh()).status not in TERMINAL_STATUSES:
+            await asyncio.sleep(polls.next_wait())
+        return self._outcome()
+
+    def _outcome(self) -> Any:
+        """The output of a finished run, or ``RunFailedError``."""
         if self.status == RunStatus.COMPLETED:
             return self.output
         message = (self.error or {}).get("message", "") if isinstance(self.error, dict) else ""
@@ -80,6 +93,25 @@ class RunHandle:
     def signal(self, name: str, payload: Any = None) -> RunHandle:
         self._record = self._engine.signal(self.run_id, name, payload)._record
         return self
+
+
+class _Polls:
+    """The waits between two reads of a run that ``result`` waits for: from 10 ms,
+    doubling up to 250 ms, never past the deadline (``TimeoutError`` once it passed)."""
+
+    def __init__(self, handle: RunHandle, timeout: float | None) -> None:
+        self.handle, self.timeout = handle, timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.delay = 0.01
+
+    def next_wait(self) -> float:
+        delay, self.delay = self.delay, min(self.delay * 2, 0.25)
+        if self.deadline is None:
+            return delay
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"Run {self.handle.run_id!r} is still {self.handle.status} after {self.timeout}s.")
+        return min(delay, left)
 
 
 class Engine:
@@ -206,6 +238,44 @@ class Engine:
         counts in its parent's namespace with its parent's fencing and never
         cancels or queues behind its ancestors (see ``admission.decide``).
         """
+        return self._start(name, input, run_id, concurrency, version=version, parent_run_id=parent_run_id)
+
+    async def astart(
+        self,
+        name: str,
+        input: Any = None,
+        run_id: str | None = None,
+        concurrency: _concurrency.ConcurrencySpec = None,
+        *,
+        version: str | None = None,
+        parent_run_id: str | None = None,
+    ) -> RunHandle:
+        """``start`` for async code (an async view under ASGI), with every guarantee
+        of ``start``: exact admission, ``ConcurrencyLimitError`` when a quota is full.
+
+        An async limit function is awaited here, on the running event loop; the
+        admission itself (the database) runs in a thread, as Django runs sync code
+        for async callers (``sync_to_async``).
+        """
+        definition = self.registry.current(name) if version is None else self.registry.get(name, str(version))
+        specs = definition.concurrency if concurrency is None else _per_start(concurrency)
+        limits = await _concurrency.aresolve_limits(specs, input)
+        start = sync_to_async(self._start)
+        return await start(
+            name, input, run_id, concurrency, version=definition.version, parent_run_id=parent_run_id, limits=limits
+        )
+
+    def _start(
+        self,
+        name: str,
+        input: Any,
+        run_id: str | None,
+        concurrency: _concurrency.ConcurrencySpec,
+        *,
+        version: str | None,
+        parent_run_id: str | None,
+        limits: _concurrency.Limits | None = None,
+    ) -> RunHandle:
         definition = self.registry.current(name) if version is None else self.registry.get(name, str(version))
         input = check_json(input, what="the workflow input")
         if run_id is not None:
@@ -219,9 +289,11 @@ class Engine:
             # A child counts in its parent's namespace with its parent's fencing,
             # whatever the fencing of the engine that executes the parent.
             engine = self.in_namespace(ancestors[0].namespace, scope_reads=ancestors[0].fenced)
-            return engine.start(name, input, run_id, concurrency, version=definition.version, parent_run_id=parent_run_id)
+            return engine._start(
+                name, input, run_id, concurrency, version=definition.version, parent_run_id=parent_run_id, limits=limits
+            )
         specs = definition.concurrency if concurrency is None else _per_start(concurrency)
-        quotas = _concurrency.resolve(specs, input)
+        quotas = _concurrency.resolve(specs, input, limits=limits)
         record = RunRecord(
             run_id=run_id or uuid.uuid4().hex,
             workflow=definition.name,
@@ -413,6 +485,9 @@ class Engine:
     def get_run(self, run_id: str) -> RunHandle:
         return RunHandle(self, self._load(run_id))
 
+    async def aget_run(self, run_id: str) -> RunHandle:
+        return await sync_to_async(self.get_run)(run_id)
+
     def list_runs(
         self,
         workflow: str | None = None,
@@ -421,6 +496,14 @@ class Engine:
     ) -> list[RunHandle]:
         records = self.store.list_runs(workflow=workflow, tag=tag, statuses=statuses, namespace=self.read_namespace)
         return [RunHandle(self, r) for r in records]
+
+    async def alist_runs(
+        self,
+        workflow: str | None = None,
+        tag: str | None = None,
+        statuses: Sequence[str] | None = None,
+    ) -> list[RunHandle]:
+        return await sync_to_async(self.list_runs)(workflow, tag, statuses)
 
     def count_runs(self, tag: str | None = None, statuses: Sequence[str] | None = None) -> int:
         """One COUNT(*) through the store's ``count_runs`` (a store that does not
@@ -440,6 +523,9 @@ class Engine:
                 status=record.status,
             )
         return self.get_run(run_id)
+
+    async def acancel(self, run_id: str) -> RunHandle:
+        return await sync_to_async(self.cancel)(run_id)
 
     def _cancel(self, run: RunRecord, *, reason: str) -> bool:
         """Cancel one run, revoke its pending messages, cancel its children."""
@@ -519,6 +605,9 @@ class Engine:
         self.executor.resume(run, waiting_for=f"signal:{name}")  # if it waits for this signal
         return self.get_run(run_id)
 
+    async def asignal(self, run_id: str, name: str, payload: Any = None) -> RunHandle:
+        return await sync_to_async(self.signal)(run_id, name, payload)
+
     def emit(self, name: str, payload: Any = None, event_id: str | None = None) -> EmitResult:
         """Start every workflow subscribed to event ``name`` with ``payload`` as input.
 
@@ -527,20 +616,26 @@ class Engine:
         run id is ``event:<event_id>:<workflow>``, so the same event never starts a
         subscriber twice.
         """
-        if not isinstance(name, str) or not name:
-            raise exceptions.InvalidStartError(f"An event name must be a non-empty string, got {name!r}.")
-        if event_id is not None and (not isinstance(event_id, str) or not event_id):
-            raise exceptions.InvalidStartError(f"An event id must be a non-empty string, got {event_id!r}.")
-        result = EmitResult(event=name, event_id=event_id)
+        result = EmitResult.of(name, event_id)
         for definition in self.registry.subscribers(name):
-            run_id = None if event_id is None else f"event:{event_id}:{definition.name}"
             try:
-                handle = self.start(definition.name, payload, run_id=run_id)
+                handle = self.start(definition.name, payload, run_id=result.run_id(definition.name))
             except exceptions.DurableError as exc:
-                logger.warning("Event %s (%s) skipped subscriber %s: %s", name, event_id, definition.name, exc)
-                result.skipped.append(SkippedSubscriber(definition.name, exc))
-                continue
-            (result.started if handle.created else result.duplicates).append(handle)
+                result.skip(definition.name, exc)
+            else:
+                result.add(handle)
+        return result
+
+    async def aemit(self, name: str, payload: Any = None, event_id: str | None = None) -> EmitResult:
+        """``emit`` for async code: each subscriber is started with ``astart``."""
+        result = EmitResult.of(name, event_id)
+        for definition in self.registry.subscribers(name):
+            try:
+                handle = await self.astart(definition.name, payload, run_id=result.run_id(definition.name))
+            except exceptions.DurableError as exc:
+                result.skip(definition.name, exc)
+            else:
+                result.add(handle)
         return result
 
     # -- executing -------------------------------------------------------------------
@@ -579,6 +674,26 @@ class EmitResult:
     started: list[RunHandle] = field(default_factory=list)
     duplicates: list[RunHandle] = field(default_factory=list)
     skipped: list[SkippedSubscriber] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, event: Any, event_id: Any) -> EmitResult:
+        """An empty result, once the event's name and id are checked."""
+        if not isinstance(event, str) or not event:
+            raise exceptions.InvalidStartError(f"An event name must be a non-empty string, got {event!r}.")
+        if event_id is not None and (not isinstance(event_id, str) or not event_id):
+            raise exceptions.InvalidStartError(f"An event id must be a non-empty string, got {event_id!r}.")
+        return cls(event=event, event_id=event_id)
+
+    def run_id(self, workflow: str) -> str | None:
+        """The run id of subscriber ``workflow``: one per event id, None without one."""
+        return None if self.event_id is None else f"event:{self.event_id}:{workflow}"
+
+    def add(self, handle: RunHandle) -> None:
+        (self.started if handle.created else self.duplicates).append(handle)
+
+    def skip(self, workflow: str, exc: exceptions.DurableError) -> None:
+        logger.warning("Event %s (%s) skipped subscriber %s: %s", self.event, self.event_id, workflow, exc)
+        self.skipped.append(SkippedSubscriber(workflow, exc))
 
 
 #: The strategies a store's ``admit_queued`` decides alone (CANCEL_* take the generic path).

@@ -64,3 +64,17 @@ class DurableWorkflow:
     @classmethod
     def dispatch(cls, input: Any = None, concurrency: _concurrency.ConcurrencySpec = None) -> RunHandle:
         return cls.start(input, concurrency=concurrency)
+
+    @classmethod
+    async def astart(
+        cls,
+        input: Any = None,
+        run_id: str | None = None,
+        concurrency: _concurrency.ConcurrencySpec = None,
+    ) -> RunHandle:
+        """``start`` for async code (see ``Engine.astart``)."""
+        return await cls._engine().astart(cls.name, input, run_id=run_id, concurrency=concurrency, version=str(cls.version))
+
+    @classmethod
+    async def adispatch(cls, input: Any = None, concurrency: _concurrency.ConcurrencySpec = None) -> RunHandle:
+        return await cls.astart(input, concurrency=concurrency)
