@@ -44,7 +44,14 @@ class Strategy(str, enum.Enum):
 
 
 KeySpec = str | Callable[[Any], str | None] | None
-LimitSpec = int | Callable[[str], Any]
+#: An integer, a CEL expression over ``input`` and ``key`` (a string), or a sync
+#: or async function of the key.
+LimitSpec = int | str | Callable[[str], Any]
+
+#: The variables a CEL key expression may use, and those of a CEL limit: the
+#: limit also sees the key it is computed for (the key is resolved first).
+KEY_VARIABLES = frozenset({"input"})
+LIMIT_VARIABLES = frozenset({"input", "key"})
 
 
 @dataclass(frozen=True)
@@ -54,9 +61,11 @@ class Concurrency:
     ``key`` is a string (per start) or a function of the input returning a string,
     or ``None`` to leave that start unlimited. ``expression`` is the alternative:
     a CEL expression over ``input`` (``"input.group"``, or a constant such as
-    ``"'global'"`` for one global limit). ``limit`` is an integer or a sync or
-    async function of the key returning one. ``strategy`` says what happens to a
-    start when the key is full; ``max_queued`` bounds a ``GROUP_ROUND_ROBIN`` queue.
+    ``"'global'"`` for one global limit). ``limit`` is an integer, a CEL
+    expression over ``input`` and ``key`` giving one (``"input.tier == 'premium'
+    ? 10 : 1"``), or a sync or async function of the key returning one.
+    ``strategy`` says what happens to a start when the key is full;
+    ``max_queued`` bounds a ``GROUP_ROUND_ROBIN`` queue.
     """
 
     key: KeySpec = None
@@ -66,6 +75,7 @@ class Concurrency:
     expression: str | None = None
     max_queued: int | None = None
     _program: Any = field(default=None, init=False, repr=False, compare=False)
+    _limit_program: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if (self.key is None) == (self.expression is None):
@@ -74,18 +84,21 @@ class Concurrency:
                 f"expression=<CEL expression>, got key={self.key!r}, expression={self.expression!r}."
             )
         if self.expression is not None:
-            object.__setattr__(self, "_program", _compile_expression(self.expression))
+            object.__setattr__(self, "_program", _compile_expression(self.expression, "expression", KEY_VARIABLES))
         elif not (isinstance(self.key, str) or callable(self.key)):
             raise exceptions.InvalidStartError(
                 f"Concurrency(key=...) must be a string or a function of the input, got {self.key!r}."
             )
         if isinstance(self.key, str):
             _check_key(self.key)
-        if isinstance(self.limit, bool) or not (isinstance(self.limit, int) or callable(self.limit)):
+        if isinstance(self.limit, str):
+            object.__setattr__(self, "_limit_program", _compile_limit(self.limit))
+        elif isinstance(self.limit, bool) or not (isinstance(self.limit, int) or callable(self.limit)):
             raise exceptions.InvalidStartError(
-                f"Concurrency(limit=...) must be an int or a function of the key, got {self.limit!r}."
+                "Concurrency(limit=...) must be an int, a CEL expression (a string) or a function of the key, "
+                f"got {self.limit!r}."
             )
-        if isinstance(self.limit, int):
+        elif isinstance(self.limit, int):
             _check_limit_range(self.limit, "Concurrency(limit=...)")
         statuses = self.count_statuses
         if isinstance(statuses, str) or not statuses or not set(statuses) <= COUNTABLE_STATUSES:
@@ -110,7 +123,12 @@ class Concurrency:
     @property
     def is_static(self) -> bool:
         """A plain string key and an integer limit: what a per-start quota takes."""
-        return isinstance(self.key, str) and not callable(self.limit)
+        return isinstance(self.key, str) and isinstance(self.limit, int)
+
+    @property
+    def limit_expression(self) -> str | None:
+        """The CEL expression of the limit, or None for an integer or a function."""
+        return self.limit if isinstance(self.limit, str) else None
 
 
 @dataclass(frozen=True)
@@ -162,7 +180,7 @@ def resolve(specs: Sequence[Concurrency], input: Any, *, limits: Limits | None =
         key, limit = (_resolve_key(spec, input), None) if computed is None else computed
         if key is None:
             continue
-        limit = _resolve_limit(spec, key) if limit is None else limit
+        limit = _resolve_limit(spec, key, input) if limit is None else limit
         quota = Quota(key, limit, tuple(spec.count_statuses), Strategy(spec.strategy), spec.max_queued)
         previous = quotas.get(key)
         if previous is not None and previous.limit <= quota.limit:
@@ -226,19 +244,65 @@ def _resolve_key(spec: Concurrency, input: Any) -> str | None:
     return key
 
 
-def _compile_expression(expression: Any) -> Any:
+def _compile_expression(expression: Any, option: str, variables: frozenset[str]) -> Any:
+    """Compile the CEL of ``Concurrency(<option>=...)``, which may use ``variables`` only."""
     if not isinstance(expression, str) or not expression.strip():
-        raise exceptions.InvalidStartError(f"Concurrency(expression=...) must be a CEL expression string, got {expression!r}.")
+        raise exceptions.InvalidStartError(f"Concurrency({option}=...) must be a CEL expression string, got {expression!r}.")
     try:
         program = cel.compile(expression)
     except ValueError as exc:
-        raise exceptions.InvalidStartError(f"Invalid CEL concurrency expression {expression!r}: {exc}") from exc
-    unknown = set(program.variables()) - {"input"}
+        raise exceptions.InvalidStartError(f"Invalid CEL concurrency {option} {expression!r}: {exc}") from exc
+    unknown = set(program.variables()) - variables
     if unknown:
+        allowed = " and ".join(f"`{v}`" for v in sorted(variables))
         raise exceptions.InvalidStartError(
-            f"The CEL concurrency expression {expression!r} may only use `input`, not {', '.join(sorted(unknown))}."
+            f"The CEL concurrency {option} {expression!r} may only use {allowed}, not {', '.join(sorted(unknown))}."
         )
     return program
+
+
+def _compile_limit(expression: str) -> Any:
+    """Compile a CEL limit; one that uses no variable (``"5"``) is evaluated now,
+    so that a constant that is no limit (``"2.5"``, ``"1/0"``) fails here, not at start."""
+    program = _compile_expression(expression, "limit", LIMIT_VARIABLES)
+    if not program.variables():
+        _limit_value(_execute_limit(program, expression, {}, "at declaration"), expression, "at declaration")
+    return program
+
+
+def _execute_limit(program: Any, expression: str, variables: dict[str, Any], where: str) -> Any:
+    try:
+        return program.execute(variables)
+    except Exception as exc:
+        hint = " Check that the input has the fields the limit is computed from." if "input" in program.variables() else ""
+        raise exceptions.InvalidStartError(
+            f"The concurrency limit expression {expression!r} raised {type(exc).__name__} {where}: {str(exc).rstrip('.')}.{hint}",
+        ) from exc
+
+
+#: CEL's names of the Python values a CEL program gives, for error messages.
+_CEL_TYPES: dict[type, str] = {
+    float: "double",
+    bool: "bool",
+    str: "string",
+    bytes: "bytes",
+    type(None): "null",
+    list: "list",
+    dict: "map",
+}
+
+
+def _limit_value(value: Any, expression: str, where: str) -> int:
+    """The integer a CEL limit gave: CEL converts nothing, so a double, a bool, a
+    string or null is refused (``int(...)`` converts in the expression)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise exceptions.InvalidStartError(
+            f"The concurrency limit expression {expression!r} must give an integer, got {value!r} "
+            f"(a {_CEL_TYPES.get(type(value), type(value).__name__)}) {where}. CEL converts nothing by itself: "
+            "write int(...) in the expression if need be."
+        )
+    _check_limit_range(value, f"The concurrency limit expression {expression!r} {where}")
+    return value
 
 
 def _check_key(key: str) -> None:
@@ -246,8 +310,11 @@ def _check_key(key: str) -> None:
         raise exceptions.InvalidStartError(f"A concurrency key must be 1 to {MAX_KEY_LENGTH} characters long, got {key!r}.")
 
 
-def _resolve_limit(spec: Concurrency, key: str) -> int:
+def _resolve_limit(spec: Concurrency, key: str, input: Any) -> int:
     limit: Any = spec.limit
+    if isinstance(limit, str):
+        where = f"for key {key!r}"
+        return _limit_value(_execute_limit(spec._limit_program, limit, {"input": input, "key": key}, where), limit, where)
     if callable(limit):
         try:
             if inspect.iscoroutinefunction(limit):

@@ -707,7 +707,10 @@ def _per_start(spec: _concurrency.ConcurrencySpec) -> tuple[_concurrency.Concurr
     specs = _concurrency.normalize(spec)
     for c in specs:
         if not c.is_static:
-            raise exceptions.InvalidStartError("A per-start Concurrency takes a plain string key and an integer limit.")
+            raise exceptions.InvalidStartError(
+                "A per-start Concurrency takes a plain string key and an integer limit (not a function or a CEL "
+                "expression: compute them from the input before the start)."
+            )
     return specs
 
 
