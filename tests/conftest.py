@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,14 +30,20 @@ def celery_worker(django_db_setup: None, django_db_blocker) -> Iterator[object]:
     # Only the test project's own queue (durable-test), never another project's "celery".
     with celery_app.connection_for_write() as conn:
         conn.default_channel.queue_purge(celery_app.conf.task_default_queue)
-    with start_worker(
-        celery_app,
-        pool="threads",
-        concurrency=4,
-        perform_ping_check=False,
-        shutdown_timeout=30,
-        loglevel="WARNING",
-    ) as worker:
+    with contextlib.ExitStack() as stack:
+        # Celery's Django fixup runs the system checks as the worker starts; on
+        # Django 6.1 the model checks read the database (its JSON support).
+        with django_db_blocker.unblock():
+            worker = stack.enter_context(
+                start_worker(
+                    celery_app,
+                    pool="threads",
+                    concurrency=4,
+                    perform_ping_check=False,
+                    shutdown_timeout=30,
+                    loglevel="WARNING",
+                )
+            )
         yield worker
 
 

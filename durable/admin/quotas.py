@@ -90,17 +90,22 @@ class _QuotaChangeList(ChangeList):
     by_use: str | None = None
 
     def get_ordering(self, request: HttpRequest, queryset: QuerySet[Any]) -> list[Any]:
-        if not self.params.get(ORDER_VAR):
+        order = self.params.get(ORDER_VAR)
+        if not order:
             # The default: fullest first.
             self.by_use = "desc"
             return ["key"]
-        ordering = super().get_ordering(request, queryset)
-        first = ordering[0] if ordering and isinstance(ordering[0], str) else ""
-        if first.lstrip("-") == USE:
-            self.by_use = "desc" if first.startswith("-") else "asc"
+        # The first column sorted by (``o=-1.0``: "use", descending, then "key").
+        _, descending, index = order.split(".")[0].rpartition("-")
+        if index.isdigit() and int(index) < len(self.list_display) and self.list_display[int(index)] == USE:
+            self.by_use = "desc" if descending else "asc"
             return ["key"]
         self.by_use = None
-        return [part for part in ordering if not (isinstance(part, str) and part.lstrip("-") == USE)]
+        return super().get_ordering(request, queryset)
+
+    def get_ordering_field(self, field_name: Any) -> Any:
+        # "use" is sorted in Python (get_results), never by the database.
+        return None if field_name == USE else super().get_ordering_field(field_name)
 
     def get_ordering_field_columns(self) -> dict[int, Literal["desc", "asc"]]:
         if ORDER_VAR in self.params:

@@ -24,9 +24,11 @@ from django.test import AsyncClient, override_settings
 from django.urls import path
 
 import durable
-from durable import Concurrency, ConcurrencyLimitError, DurableWorkflow, WorkflowContext, models
+from durable import Concurrency, ConcurrencyLimitError, DjangoStore, DurableWorkflow, Engine, WorkflowContext, models
 from durable.api.errors import durable_error_response
 from durable.http import error_response
+from durable.runtime import Dispatcher
+from durable.stores import RunRecord
 from testproject.chat.workflows import ChatTurnWorkflow
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -74,7 +76,9 @@ class AsgiLimited(DurableWorkflow):
     concurrency = Concurrency(key=_key, limit=_limit)
 
     def run(self, ctx: WorkflowContext, input: Any) -> Any:
-        return None
+        # Holds its slot (suspended counts) when the session's in-process worker
+        # executes it: a run that finished would free its slot during the test.
+        return ctx.wait_for_signal("never")
 
 
 async def _start(request: HttpRequest) -> JsonResponse:
@@ -88,6 +92,14 @@ async def _start(request: HttpRequest) -> JsonResponse:
 
 
 urlpatterns = [path("start/", _start)]
+
+
+class _NoDispatch(Dispatcher):
+    def send(self, engine: Engine, run: RunRecord) -> None:
+        pass
+
+    def revoke(self, engine: Engine, run: RunRecord) -> None:
+        pass
 
 
 def _close_connection() -> None:
@@ -133,7 +145,12 @@ def test_fifty_concurrent_async_starts_on_one_key_admit_exactly_the_limit() -> N
     assert SEEN.loop_tasks == [True] * STARTS
 
 
-def test_the_async_chat_view_answers_202_then_429_with_the_drf_handlers_body() -> None:
+def test_the_async_chat_view_answers_202_then_429_with_the_drf_handlers_body(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Runs stay pending (no worker gets them, not even the session's in-process one):
+    # the tenant's 8 slots stay taken while the test runs.
+    monkeypatch.setattr(
+        ChatTurnWorkflow, "engine", Engine(DjangoStore(), dispatch=_NoDispatch(), registry=durable.engine.registry)
+    )
     user = get_user_model().objects.create_user("ada", password="pw")
     tenant = str(user.pk)
 

@@ -142,9 +142,10 @@ def test_the_database_purge_deletes_the_rows_of_the_runs() -> None:
 def test_a_batch_is_no_bigger_than_the_database_takes_parameters(monkeypatch: Any) -> None:
     from django.db import connection
 
-    monkeypatch.setattr(connection.features, "max_query_params", 3)
     if connection.vendor == "postgresql":
         pytest.skip("one array parameter per statement on PostgreSQL")
+    # On the class: Django 6.1 made it a property without a setter.
+    monkeypatch.setattr(type(connection.features), "max_query_params", 3)
     for _ in range(5):
         WorkflowRunFactory(status="completed", finished_at=timezone.now() - timedelta(days=2))
     run_ids, cursor = retention.purge_batch("completed", timezone.now() - timedelta(days=1), limit=5000)
