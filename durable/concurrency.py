@@ -38,10 +38,20 @@ class Strategy(str, enum.Enum):
     GROUP_ROUND_ROBIN = "group_round_robin"
     CANCEL_IN_PROGRESS = "cancel_in_progress"
     CANCEL_NEWEST = "cancel_newest"
+    CANCEL_QUEUED_EXCEPT_NEWEST = "cancel_queued_except_newest"
+    CANCEL_QUEUED_EXCEPT_OLDEST = "cancel_queued_except_oldest"
 
     def __str__(self) -> str:
         return self.value
 
+
+#: The strategies that queue a start on a full key, and bound the queue with ``max_queued``.
+QUEUEING_STRATEGIES = frozenset(
+    {Strategy.GROUP_ROUND_ROBIN, Strategy.CANCEL_QUEUED_EXCEPT_NEWEST, Strategy.CANCEL_QUEUED_EXCEPT_OLDEST}
+)
+#: The queue-depth strategies: a full queue cancels a queued run (the oldest, or the newcomer)
+#: instead of refusing the start; ``max_queued`` defaults to 1 for them.
+QUEUE_DEPTH_STRATEGIES = frozenset({Strategy.CANCEL_QUEUED_EXCEPT_NEWEST, Strategy.CANCEL_QUEUED_EXCEPT_OLDEST})
 
 KeySpec = str | Callable[[Any], str | None] | None
 LimitSpec = int | Callable[[str], Any]
@@ -56,7 +66,10 @@ class Concurrency:
     a CEL expression over ``input`` (``"input.group"``, or a constant such as
     ``"'global'"`` for one global limit). ``limit`` is an integer or a sync or
     async function of the key returning one. ``strategy`` says what happens to a
-    start when the key is full; ``max_queued`` bounds a ``GROUP_ROUND_ROBIN`` queue.
+    start when the key is full; ``max_queued`` bounds the key's queue: for
+    ``GROUP_ROUND_ROBIN`` (unbounded by default; past it a start is refused), and
+    for ``CANCEL_QUEUED_EXCEPT_NEWEST`` / ``CANCEL_QUEUED_EXCEPT_OLDEST`` the queue
+    depth kept (default 1; past it the oldest queued run, or the newcomer, is cancelled).
     """
 
     key: KeySpec = None
@@ -99,9 +112,21 @@ class Concurrency:
         except ValueError:
             raise exceptions.InvalidStartError(f"Concurrency(strategy=...) must be a Strategy, got {self.strategy!r}.") from None
         object.__setattr__(self, "strategy", strategy)
-        if self.max_queued is not None:
+        if strategy in QUEUE_DEPTH_STRATEGIES:
+            if self.max_queued is None:
+                object.__setattr__(self, "max_queued", 1)
+            if isinstance(self.max_queued, bool) or not isinstance(self.max_queued, int) or self.max_queued < 1:
+                raise exceptions.InvalidStartError(
+                    f"Concurrency(max_queued=...) is the queue depth of Strategy.{strategy.name}: a positive "
+                    f"integer (default 1), got {self.max_queued!r}. To keep no queued run at all, use "
+                    "Strategy.CANCEL_NEWEST."
+                )
+        elif self.max_queued is not None:
             if strategy is not Strategy.GROUP_ROUND_ROBIN:
-                raise exceptions.InvalidStartError("Concurrency(max_queued=...) only applies to Strategy.GROUP_ROUND_ROBIN.")
+                raise exceptions.InvalidStartError(
+                    "Concurrency(max_queued=...) only applies to Strategy.GROUP_ROUND_ROBIN, "
+                    "Strategy.CANCEL_QUEUED_EXCEPT_NEWEST and Strategy.CANCEL_QUEUED_EXCEPT_OLDEST."
+                )
             if isinstance(self.max_queued, bool) or not isinstance(self.max_queued, int) or self.max_queued < 0:
                 raise exceptions.InvalidStartError(
                     f"Concurrency(max_queued=...) must be a non-negative integer, got {self.max_queued!r}."

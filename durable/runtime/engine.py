@@ -291,9 +291,19 @@ class Engine:
                 raise
             record.status = decision.status
             if decision.status == RunStatus.CANCELLED:
-                record.error = {"type": "durable.cancel_newest", "message": decision.reason}
+                record.error = {"type": decision.cancel_type, "message": decision.reason, **decision.details}
                 record.finished_at = timezone.now()
             self.store.create_run(record, [q.tag for q in quotas])  # first: a taken run id cancels nothing
+            for gone in decision.superseded:
+                # Cancelled under the key's lock: the queue never holds more than max_queued.
+                # One cancelled meanwhile (by a user) left the queue already.
+                self._cancel(
+                    gone.run,
+                    reason=f"Cancelled while queued: run {record.run_id!r} replaced it in the queue of "
+                    f"concurrency key {gone.key} (CANCEL_QUEUED_EXCEPT_NEWEST).",
+                    error_type="durable.cancel_queued_except_newest",
+                    details={"key": gone.key, "replaced_by": record.run_id},
+                )
             reason = f"Cancelled to make room for run {record.run_id!r} (CANCEL_IN_PROGRESS)."
             if not all([self._cancel(victim, reason=reason) for victim in decision.victims]):
                 # A victim ended meanwhile (it can no longer be cancelled): the start
@@ -441,9 +451,18 @@ class Engine:
             )
         return self.get_run(run_id)
 
-    def _cancel(self, run: RunRecord, *, reason: str) -> bool:
-        """Cancel one run, revoke its pending messages, cancel its children."""
-        error = {"type": "durable.cancelled", "message": reason}
+    def _cancel(
+        self,
+        run: RunRecord,
+        *,
+        reason: str,
+        error_type: str = "durable.cancelled",
+        details: dict[str, Any] | None = None,
+    ) -> bool:
+        """Cancel one run, revoke its pending messages, cancel its children.
+
+        Its ``error`` is ``{"type": error_type, "message": reason, **details}``."""
+        error = {"type": error_type, "message": reason, **(details or {})}
         cancelled = self.store.transition(
             run.run_id,
             from_statuses=ACTIVE_STATUSES,
@@ -581,7 +600,8 @@ class EmitResult:
     skipped: list[SkippedSubscriber] = field(default_factory=list)
 
 
-#: The strategies a store's ``admit_queued`` decides alone (CANCEL_* take the generic path).
+#: The strategies a store's ``admit_queued`` decides alone (CANCEL_* take the generic path,
+#: CANCEL_QUEUED_EXCEPT_* too: see docs/explanation/quotas.md#queue-depth-on-the-generic-path).
 _ONE_CALL_STRATEGIES = frozenset({_concurrency.Strategy.REJECT, _concurrency.Strategy.GROUP_ROUND_ROBIN})
 
 #: How many ancestors a child start looks at (a backstop against a cycle of parents).
