@@ -601,7 +601,7 @@ class EmitResult:
 
 
 #: The strategies a store's ``admit_queued`` decides alone (CANCEL_* take the generic path,
-#: CANCEL_QUEUED_EXCEPT_* too: see docs/explanation/quotas.md#queue-depth-on-the-generic-path).
+#: CANCEL_QUEUED_EXCEPT_* too: see docs/explanation/quotas.md#queue-depth-strategies).
 _ONE_CALL_STRATEGIES = frozenset({_concurrency.Strategy.REJECT, _concurrency.Strategy.GROUP_ROUND_ROBIN})
 
 #: How many ancestors a child start looks at (a backstop against a cycle of parents).
