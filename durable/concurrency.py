@@ -53,6 +53,19 @@ QUEUEING_STRATEGIES = frozenset(
 #: instead of refusing the start; ``max_queued`` defaults to 1 for them.
 QUEUE_DEPTH_STRATEGIES = frozenset({Strategy.CANCEL_QUEUED_EXCEPT_NEWEST, Strategy.CANCEL_QUEUED_EXCEPT_OLDEST})
 
+
+def replaced_error(key: str, replaced_by: str) -> dict[str, str]:
+    """The ``error`` of a queued run that start ``replaced_by`` cancelled to make
+    room in the queue of ``key`` (CANCEL_QUEUED_EXCEPT_NEWEST), on every store."""
+    return {
+        "type": "durable.cancel_queued_except_newest",
+        "message": f"Cancelled while queued: run {replaced_by!r} replaced it in the queue of concurrency key {key} "
+        "(CANCEL_QUEUED_EXCEPT_NEWEST).",
+        "key": key,
+        "replaced_by": replaced_by,
+    }
+
+
 KeySpec = str | Callable[[Any], str | None] | None
 LimitSpec = int | Callable[[str], Any]
 

@@ -236,12 +236,18 @@ class Engine:
         tags = [q.tag for q in quotas]
         given = run_id is not None
         strategies = {q.strategy for q in quotas}
+        superseded: list[RunRecord] = []
         try:
             if strategies <= {_concurrency.Strategy.REJECT}:
                 admitted = self.store.admit(record, quotas, count_namespace=self.read_namespace, run_id_given=given)
             elif strategies <= _ONE_CALL_STRATEGIES:
                 admitted = self.store.admit_queued(
-                    record, quotas, count_namespace=self.read_namespace, run_id_given=given, ancestors=ancestors
+                    record,
+                    quotas,
+                    count_namespace=self.read_namespace,
+                    run_id_given=given,
+                    ancestors=ancestors,
+                    superseded=superseded,
                 )
             else:
                 admitted = False
@@ -255,6 +261,8 @@ class Engine:
         except exceptions.ConcurrencyLimitError as exc:
             self._refused(exc, record.run_id if given else None)
             raise
+        for run in superseded:  # queued runs the store's admit_queued cancelled for this start
+            self._cancelled(run, run.error or {}, held_slots=False)
         if signals._run_created.has_listeners(self) or signals.run_finished.has_listeners(self):
             self._created(record)
         if record.status == RunStatus.PENDING:
@@ -297,13 +305,9 @@ class Engine:
             for gone in decision.superseded:
                 # Cancelled under the key's lock: the queue never holds more than max_queued.
                 # One cancelled meanwhile (by a user) left the queue already.
-                self._cancel(
-                    gone.run,
-                    reason=f"Cancelled while queued: run {record.run_id!r} replaced it in the queue of "
-                    f"concurrency key {gone.key} (CANCEL_QUEUED_EXCEPT_NEWEST).",
-                    error_type="durable.cancel_queued_except_newest",
-                    details={"key": gone.key, "replaced_by": record.run_id},
-                )
+                error = _concurrency.replaced_error(gone.key, record.run_id)
+                message, kind = error.pop("message"), error.pop("type")
+                self._cancel(gone.run, reason=message, error_type=kind, details=error, held_slots=False)
             reason = f"Cancelled to make room for run {record.run_id!r} (CANCEL_IN_PROGRESS)."
             if not all([self._cancel(victim, reason=reason) for victim in decision.victims]):
                 # A victim ended meanwhile (it can no longer be cancelled): the start
@@ -458,10 +462,12 @@ class Engine:
         reason: str,
         error_type: str = "durable.cancelled",
         details: dict[str, Any] | None = None,
+        held_slots: bool = True,
     ) -> bool:
         """Cancel one run, revoke its pending messages, cancel its children.
 
-        Its ``error`` is ``{"type": error_type, "message": reason, **details}``."""
+        Its ``error`` is ``{"type": error_type, "message": reason, **details}``;
+        ``held_slots=False``: it was ``queued`` (it frees no slot to hand on)."""
         error = {"type": error_type, "message": reason, **(details or {})}
         cancelled = self.store.transition(
             run.run_id,
@@ -474,16 +480,22 @@ class Engine:
             finished_at=timezone.now(),
         )
         if cancelled:
-            try:
-                self.dispatch.revoke(self, run)
-            except Exception:  # best effort: the run is cancelled, a late message does nothing
-                logger.exception("Could not revoke the messages of cancelled run %s; the cancel goes on.", run.run_id)
-            for child in self.store.active_children(run.run_id):
-                self._cancel(child, reason=f"Cancelled with its parent run {run.run_id!r}.")
-            self.executor.ended(run)
-            if signals.run_finished.has_listeners(self):
-                send_run_finished(self, run, RunStatus.CANCELLED, error=error)
+            self._cancelled(run, error, held_slots=held_slots)
         return cancelled
+
+    def _cancelled(self, run: RunRecord, error: dict[str, Any], *, held_slots: bool = True) -> None:
+        """What follows the cancel of ``run`` (made by ``_cancel``, or by a store's
+        ``admit_queued``): revoke its messages, cancel its children, free its slots
+        (``held_slots=False``: a queued run held none, there is nothing to hand on)."""
+        try:
+            self.dispatch.revoke(self, run)
+        except Exception:  # best effort: the run is cancelled, a late message does nothing
+            logger.exception("Could not revoke the messages of cancelled run %s; the cancel goes on.", run.run_id)
+        for child in self.store.active_children(run.run_id):
+            self._cancel(child, reason=f"Cancelled with its parent run {run.run_id!r}.")
+        self.executor.ended(run, held_keys=held_slots)
+        if signals.run_finished.has_listeners(self):
+            send_run_finished(self, run, RunStatus.CANCELLED, error=error)
 
     def retry(self, run_id: str, concurrency: _concurrency.ConcurrencySpec = None) -> RunHandle:
         """Start a failed, dead or cancelled run again, under its workflow's quota
@@ -600,9 +612,9 @@ class EmitResult:
     skipped: list[SkippedSubscriber] = field(default_factory=list)
 
 
-#: The strategies a store's ``admit_queued`` decides alone (CANCEL_* take the generic path,
-#: CANCEL_QUEUED_EXCEPT_* too: see docs/explanation/quotas.md#queue-depth-strategies).
-_ONE_CALL_STRATEGIES = frozenset({_concurrency.Strategy.REJECT, _concurrency.Strategy.GROUP_ROUND_ROBIN})
+#: The strategies a store's ``admit_queued`` decides alone (CANCEL_IN_PROGRESS and
+#: CANCEL_NEWEST take the generic path).
+_ONE_CALL_STRATEGIES = frozenset({_concurrency.Strategy.REJECT, *_concurrency.QUEUEING_STRATEGIES})
 
 #: How many ancestors a child start looks at (a backstop against a cycle of parents).
 _MAX_DEPTH = 1000
