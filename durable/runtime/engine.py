@@ -305,9 +305,7 @@ class Engine:
             for gone in decision.superseded:
                 # Cancelled under the key's lock: the queue never holds more than max_queued.
                 # One cancelled meanwhile (by a user) left the queue already.
-                error = _concurrency.replaced_error(gone.key, record.run_id)
-                message, kind = error.pop("message"), error.pop("type")
-                self._cancel(gone.run, reason=message, error_type=kind, details=error, held_slots=False)
+                self._cancel(gone.run, error=_concurrency.replaced_error(gone.key, record.run_id), held_slots=False)
             reason = f"Cancelled to make room for run {record.run_id!r} (CANCEL_IN_PROGRESS)."
             if not all([self._cancel(victim, reason=reason) for victim in decision.victims]):
                 # A victim ended meanwhile (it can no longer be cancelled): the start
@@ -459,16 +457,16 @@ class Engine:
         self,
         run: RunRecord,
         *,
-        reason: str,
-        error_type: str = "durable.cancelled",
-        details: dict[str, Any] | None = None,
+        reason: str = "",
+        error: dict[str, Any] | None = None,
         held_slots: bool = True,
     ) -> bool:
         """Cancel one run, revoke its pending messages, cancel its children.
 
-        Its ``error`` is ``{"type": error_type, "message": reason, **details}``;
-        ``held_slots=False``: it was ``queued`` (it frees no slot to hand on)."""
-        error = {"type": error_type, "message": reason, **(details or {})}
+        Its ``error`` is ``error``, by default ``{"type": "durable.cancelled",
+        "message": reason}``; ``held_slots=False``: it was ``queued`` (it frees no
+        slot to hand on)."""
+        error = error or {"type": "durable.cancelled", "message": reason}
         cancelled = self.store.transition(
             run.run_id,
             from_statuses=ACTIVE_STATUSES,
