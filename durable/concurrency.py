@@ -38,9 +38,32 @@ class Strategy(str, enum.Enum):
     GROUP_ROUND_ROBIN = "group_round_robin"
     CANCEL_IN_PROGRESS = "cancel_in_progress"
     CANCEL_NEWEST = "cancel_newest"
+    CANCEL_QUEUED_EXCEPT_NEWEST = "cancel_queued_except_newest"
+    CANCEL_QUEUED_EXCEPT_OLDEST = "cancel_queued_except_oldest"
 
     def __str__(self) -> str:
         return self.value
+
+
+#: The strategies that queue a start on a full key, and bound the queue with ``max_queued``.
+QUEUEING_STRATEGIES = frozenset(
+    {Strategy.GROUP_ROUND_ROBIN, Strategy.CANCEL_QUEUED_EXCEPT_NEWEST, Strategy.CANCEL_QUEUED_EXCEPT_OLDEST}
+)
+#: The queue-depth strategies: a full queue cancels a queued run (the oldest, or the newcomer)
+#: instead of refusing the start; ``max_queued`` defaults to 1 for them.
+QUEUE_DEPTH_STRATEGIES = frozenset({Strategy.CANCEL_QUEUED_EXCEPT_NEWEST, Strategy.CANCEL_QUEUED_EXCEPT_OLDEST})
+
+
+def replaced_error(key: str, replaced_by: str) -> dict[str, str]:
+    """The ``error`` of a queued run that start ``replaced_by`` cancelled to make
+    room in the queue of ``key`` (CANCEL_QUEUED_EXCEPT_NEWEST), on every store."""
+    return {
+        "type": "durable.cancel_queued_except_newest",
+        "message": f"Cancelled while queued: run {replaced_by!r} replaced it in the queue of concurrency key {key} "
+        "(CANCEL_QUEUED_EXCEPT_NEWEST).",
+        "key": key,
+        "replaced_by": replaced_by,
+    }
 
 
 KeySpec = str | Callable[[Any], str | None] | None
@@ -64,8 +87,11 @@ class Concurrency:
     ``"'global'"`` for one global limit). ``limit`` is an integer, a CEL
     expression over ``input`` and ``key`` giving one (``"input.tier == 'premium'
     ? 10 : 1"``), or a sync or async function of the key returning one.
-    ``strategy`` says what happens to a start when the key is full;
-    ``max_queued`` bounds a ``GROUP_ROUND_ROBIN`` queue.
+    ``strategy`` says what happens to a start when the key is full; ``max_queued``
+    bounds the key's queue: for ``GROUP_ROUND_ROBIN`` (unbounded by default; past
+    it a start is refused), and for ``CANCEL_QUEUED_EXCEPT_NEWEST`` /
+    ``CANCEL_QUEUED_EXCEPT_OLDEST`` the queue depth kept (default 1; past it the
+    oldest queued run, or the newcomer, is cancelled).
     """
 
     key: KeySpec = None
@@ -112,9 +138,21 @@ class Concurrency:
         except ValueError:
             raise exceptions.InvalidStartError(f"Concurrency(strategy=...) must be a Strategy, got {self.strategy!r}.") from None
         object.__setattr__(self, "strategy", strategy)
-        if self.max_queued is not None:
+        if strategy in QUEUE_DEPTH_STRATEGIES:
+            if self.max_queued is None:
+                object.__setattr__(self, "max_queued", 1)
+            if isinstance(self.max_queued, bool) or not isinstance(self.max_queued, int) or self.max_queued < 1:
+                raise exceptions.InvalidStartError(
+                    f"Concurrency(max_queued=...) is the queue depth of Strategy.{strategy.name}: a positive "
+                    f"integer (default 1), got {self.max_queued!r}. To keep no queued run at all, use "
+                    "Strategy.CANCEL_NEWEST."
+                )
+        elif self.max_queued is not None:
             if strategy is not Strategy.GROUP_ROUND_ROBIN:
-                raise exceptions.InvalidStartError("Concurrency(max_queued=...) only applies to Strategy.GROUP_ROUND_ROBIN.")
+                raise exceptions.InvalidStartError(
+                    "Concurrency(max_queued=...) only applies to Strategy.GROUP_ROUND_ROBIN, "
+                    "Strategy.CANCEL_QUEUED_EXCEPT_NEWEST and Strategy.CANCEL_QUEUED_EXCEPT_OLDEST."
+                )
             if isinstance(self.max_queued, bool) or not isinstance(self.max_queued, int) or self.max_queued < 0:
                 raise exceptions.InvalidStartError(
                     f"Concurrency(max_queued=...) must be a non-negative integer, got {self.max_queued!r}."

@@ -191,6 +191,7 @@ class WorkflowRunAdmin(admin.ModelAdmin):
         "input_json",
         "output_json",
         "error_json",
+        "replaced_by",
     )
     _EXECUTION = (
         "queue",
@@ -326,6 +327,18 @@ class WorkflowRunAdmin(admin.ModelAdmin):
     input_json = json_column("input")
     output_json = json_column("output")
     error_json = json_column("error")
+
+    @admin.display(description="replaced by")
+    def replaced_by(self, obj: models.WorkflowRun) -> str:
+        """The run that replaced this queued one (CANCEL_QUEUED_EXCEPT_NEWEST), linked."""
+        run_id = obj.error.get("replaced_by") if isinstance(obj.error, dict) else None
+        if not isinstance(run_id, str):
+            return "—"
+        pk = models.WorkflowRun.objects.filter(run_id=run_id).values_list("pk", flat=True).first()
+        if pk is None:
+            return run_id  # purged since
+        return format_html('<a href="{}">{}</a>', reverse("admin:durable_workflowrun_change", args=[pk]), run_id)
+
     created = time_column("created_at", "created")
     dispatched = time_column("dispatched_at", "dispatched")
     started = time_column("started_at", "started")

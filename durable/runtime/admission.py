@@ -2,7 +2,8 @@
 
 ``decide`` runs inside the admission transaction, with every key of the start
 locked: it counts and returns what to create. ``Promoter`` hands freed slots to
-queued runs (``GROUP_ROUND_ROBIN``), round-robin across the groups queued on a key.
+queued runs (``GROUP_ROUND_ROBIN``, ``CANCEL_QUEUED_EXCEPT_NEWEST`` / ``_OLDEST``),
+round-robin across the groups queued on a key.
 Both work on a ``Scope`` (the store, the namespace slots are counted in, and how
 to send a run it started), not on the engine.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from django.utils import timezone
 
 from durable import conf, exceptions
-from durable.concurrency import TAG_PREFIX, Quota, Strategy
+from durable.concurrency import QUEUEING_STRATEGIES, TAG_PREFIX, Quota, Strategy
 from durable.status import ACTIVE_STATUSES, TERMINAL_STATUSES, RunStatus
 from durable.stores.base import BaseStore, RunRecord
 
@@ -45,22 +46,49 @@ class Scope:
         return conf.retry_after_seconds(self.store.retry_estimate(quota, namespace=self.namespace))
 
 
+@dataclass(frozen=True)
+class Superseded:
+    """A queued run that a ``CANCEL_QUEUED_EXCEPT_NEWEST`` start cancels: it leaves
+    the queue of ``key`` to make room for the new run."""
+
+    run: RunRecord
+    key: str
+
+
 @dataclass
 class Decision:
-    """The status the new run is created with, and the in-flight runs to cancel for it."""
+    """The status the new run is created with, the in-flight runs to cancel for it
+    (``victims``, CANCEL_IN_PROGRESS) and the queued ones (``superseded``,
+    CANCEL_QUEUED_EXCEPT_NEWEST). A run created ``cancelled`` carries ``reason``
+    as its error's message, under the error type ``cancel_type``, with ``details``
+    as further fields of its error."""
 
     status: str = RunStatus.PENDING
     victims: list[RunRecord] = field(default_factory=list)
     reason: str = ""
+    superseded: list[Superseded] = field(default_factory=list)
+    cancel_type: str = "durable.cancel_newest"
+    details: dict[str, str] = field(default_factory=dict)
 
 
 def decide(scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: Sequence[RunRecord] = ()) -> Decision:
     """Count every key (they are locked) and apply the strategies of the full ones.
 
-    Precedence when several keys are full: REJECT raises; else CANCEL_NEWEST
-    creates the run cancelled; else GROUP_ROUND_ROBIN queues it (or raises
-    ``ConcurrencyQueueFullError`` past ``max_queued``); else CANCEL_IN_PROGRESS
-    cancels the oldest in-flight runs of each full key and starts it.
+    A key is full when its runs in ``count_statuses`` reach its limit, or, for
+    the queueing strategies (GROUP_ROUND_ROBIN, CANCEL_QUEUED_EXCEPT_NEWEST and
+    _OLDEST), when runs are queued on it already: runs queued first go first.
+    Precedence when several keys are full, first match wins:
+
+    1. REJECT raises ``ConcurrencyLimitError`` (so does any key that can never
+       make room, below);
+    2. else CANCEL_NEWEST, or CANCEL_QUEUED_EXCEPT_OLDEST whose queue holds
+       ``max_queued`` runs, creates the run ``cancelled`` (the queue is kept);
+    3. else a queueing key queues it: GROUP_ROUND_ROBIN past its ``max_queued``
+       raises ``ConcurrencyQueueFullError`` (nothing is cancelled), and each
+       CANCEL_QUEUED_EXCEPT_NEWEST key whose queue holds ``max_queued`` runs has
+       its oldest queued runs cancelled to make room (``superseded``);
+    4. else every full key is CANCEL_IN_PROGRESS: the oldest in-flight runs of
+       each are cancelled and the run starts.
 
     Every strategy rejects a key that can never make room: a limit of 0 or
     less, or a lifetime cap (``count_statuses`` naming a terminal status) whose
@@ -73,7 +101,7 @@ def decide(scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: S
     for quota in quotas:
         active = scope.count(quota.tag, quota.count_statuses)
         queued = 0
-        if quota.strategy is Strategy.GROUP_ROUND_ROBIN:
+        if quota.strategy in QUEUEING_STRATEGIES:
             # Runs queued before this one go first: room is theirs.
             queued = scope.count(quota.tag, [RunStatus.QUEUED])
         if active >= quota.limit or queued:
@@ -102,9 +130,22 @@ def decide(scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: S
     if Strategy.CANCEL_NEWEST in strategies:
         keys = ", ".join(q.key for q, _, _ in full if q.strategy is Strategy.CANCEL_NEWEST)
         return Decision(RunStatus.CANCELLED, reason=f"Cancelled at start: concurrency key {keys} was full (CANCEL_NEWEST).")
-    if Strategy.GROUP_ROUND_ROBIN in strategies:
+    for quota, active, queued in full:
+        if quota.strategy is Strategy.CANCEL_QUEUED_EXCEPT_OLDEST and queued >= (quota.max_queued or 1):
+            return Decision(
+                RunStatus.CANCELLED,
+                reason=f"Cancelled at start: the queue of concurrency key {quota.key} was full ({queued} of "
+                f"max_queued={quota.max_queued} waiting, {active} of {quota.limit} in flight); "
+                "CANCEL_QUEUED_EXCEPT_OLDEST keeps the runs queued first.",
+                cancel_type="durable.cancel_queued_except_oldest",
+                details={"key": quota.key},
+            )
+    if strategies & QUEUEING_STRATEGIES:
+        superseded: dict[str, Superseded] = {}
         for quota, active, queued in full:
-            if quota.max_queued is not None and queued >= quota.max_queued:
+            if quota.strategy not in QUEUEING_STRATEGIES:
+                continue
+            if quota.strategy is Strategy.GROUP_ROUND_ROBIN and quota.max_queued is not None and queued >= quota.max_queued:
                 raise exceptions.ConcurrencyQueueFullError(
                     workflow=workflow,
                     key=quota.key,
@@ -124,7 +165,14 @@ def decide(scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: S
                     hint=exceptions.holding_ancestor_hint(holder),
                     retry_after=conf.retry_after_seconds(),
                 )
-        return Decision(RunStatus.QUEUED)
+            if quota.strategy is Strategy.CANCEL_QUEUED_EXCEPT_NEWEST and queued >= (quota.max_queued or 1):
+                for run in _oldest_queued(scope, quota, queued - (quota.max_queued or 1) + 1):
+                    superseded.setdefault(run.run_id, Superseded(run, quota.key))
+        reason = ""
+        if superseded:
+            names = ", ".join(f"{s.run.run_id!r} (key {s.key})" for s in superseded.values())
+            reason = f"Queued; it replaces the queued run(s) {names}, cancelled (CANCEL_QUEUED_EXCEPT_NEWEST)."
+        return Decision(RunStatus.QUEUED, superseded=list(superseded.values()), reason=reason)
     victims: dict[str, RunRecord] = {}
     spared = {a.run_id for a in ancestors}
     for quota, active, _ in full:  # every one is CANCEL_IN_PROGRESS
@@ -163,6 +211,13 @@ def check_room(scope: Scope, workflow: str, quotas: Sequence[Quota], new_status:
             raise exceptions.ConcurrencyLimitError(
                 workflow=workflow, key=quota.key, limit=quota.limit, active=active, retry_after=scope.retry_after(quota)
             )
+
+
+def _oldest_queued(scope: Scope, quota: Quota, n: int) -> list[RunRecord]:
+    """The ``n`` runs queued on ``quota``'s key first (by creation, then run id)."""
+    queued = scope.store.list_runs(tag=quota.tag, statuses=[RunStatus.QUEUED], namespace=scope.namespace)
+    queued.sort(key=lambda r: (r.created_at or timezone.now(), r.run_id))
+    return queued[:n]
 
 
 def _holding_ancestor(store: BaseStore, quota: Quota, ancestors: Sequence[RunRecord]) -> str | None:

@@ -308,12 +308,18 @@ class Engine:
         tags = [q.tag for q in quotas]
         given = run_id is not None
         strategies = {q.strategy for q in quotas}
+        superseded: list[RunRecord] = []
         try:
             if strategies <= {_concurrency.Strategy.REJECT}:
                 admitted = self.store.admit(record, quotas, count_namespace=self.read_namespace, run_id_given=given)
             elif strategies <= _ONE_CALL_STRATEGIES:
                 admitted = self.store.admit_queued(
-                    record, quotas, count_namespace=self.read_namespace, run_id_given=given, ancestors=ancestors
+                    record,
+                    quotas,
+                    count_namespace=self.read_namespace,
+                    run_id_given=given,
+                    ancestors=ancestors,
+                    superseded=superseded,
                 )
             else:
                 admitted = False
@@ -327,6 +333,8 @@ class Engine:
         except exceptions.ConcurrencyLimitError as exc:
             self._refused(exc, record.run_id if given else None)
             raise
+        for run in superseded:  # queued runs the store's admit_queued cancelled for this start
+            self._cancelled(run, run.error or {}, held_slots=False)
         if signals._run_created.has_listeners(self) or signals.run_finished.has_listeners(self):
             self._created(record)
         if record.status == RunStatus.PENDING:
@@ -363,9 +371,13 @@ class Engine:
                 raise
             record.status = decision.status
             if decision.status == RunStatus.CANCELLED:
-                record.error = {"type": "durable.cancel_newest", "message": decision.reason}
+                record.error = {"type": decision.cancel_type, "message": decision.reason, **decision.details}
                 record.finished_at = timezone.now()
             self.store.create_run(record, [q.tag for q in quotas])  # first: a taken run id cancels nothing
+            for gone in decision.superseded:
+                # Cancelled under the key's lock: the queue never holds more than max_queued.
+                # One cancelled meanwhile (by a user) left the queue already.
+                self._cancel(gone.run, error=_concurrency.replaced_error(gone.key, record.run_id), held_slots=False)
             reason = f"Cancelled to make room for run {record.run_id!r} (CANCEL_IN_PROGRESS)."
             if not all([self._cancel(victim, reason=reason) for victim in decision.victims]):
                 # A victim ended meanwhile (it can no longer be cancelled): the start
@@ -527,9 +539,20 @@ class Engine:
     async def acancel(self, run_id: str) -> RunHandle:
         return await sync_to_async(self.cancel)(run_id)
 
-    def _cancel(self, run: RunRecord, *, reason: str) -> bool:
-        """Cancel one run, revoke its pending messages, cancel its children."""
-        error = {"type": "durable.cancelled", "message": reason}
+    def _cancel(
+        self,
+        run: RunRecord,
+        *,
+        reason: str = "",
+        error: dict[str, Any] | None = None,
+        held_slots: bool = True,
+    ) -> bool:
+        """Cancel one run, revoke its pending messages, cancel its children.
+
+        Its ``error`` is ``error``, by default ``{"type": "durable.cancelled",
+        "message": reason}``; ``held_slots=False``: it was ``queued`` (it frees no
+        slot to hand on)."""
+        error = error or {"type": "durable.cancelled", "message": reason}
         cancelled = self.store.transition(
             run.run_id,
             from_statuses=ACTIVE_STATUSES,
@@ -541,16 +564,22 @@ class Engine:
             finished_at=timezone.now(),
         )
         if cancelled:
-            try:
-                self.dispatch.revoke(self, run)
-            except Exception:  # best effort: the run is cancelled, a late message does nothing
-                logger.exception("Could not revoke the messages of cancelled run %s; the cancel goes on.", run.run_id)
-            for child in self.store.active_children(run.run_id):
-                self._cancel(child, reason=f"Cancelled with its parent run {run.run_id!r}.")
-            self.executor.ended(run)
-            if signals.run_finished.has_listeners(self):
-                send_run_finished(self, run, RunStatus.CANCELLED, error=error)
+            self._cancelled(run, error, held_slots=held_slots)
         return cancelled
+
+    def _cancelled(self, run: RunRecord, error: dict[str, Any], *, held_slots: bool = True) -> None:
+        """What follows the cancel of ``run`` (made by ``_cancel``, or by a store's
+        ``admit_queued``): revoke its messages, cancel its children, free its slots
+        (``held_slots=False``: a queued run held none, there is nothing to hand on)."""
+        try:
+            self.dispatch.revoke(self, run)
+        except Exception:  # best effort: the run is cancelled, a late message does nothing
+            logger.exception("Could not revoke the messages of cancelled run %s; the cancel goes on.", run.run_id)
+        for child in self.store.active_children(run.run_id):
+            self._cancel(child, reason=f"Cancelled with its parent run {run.run_id!r}.")
+        self.executor.ended(run, held_keys=held_slots)
+        if signals.run_finished.has_listeners(self):
+            send_run_finished(self, run, RunStatus.CANCELLED, error=error)
 
     def retry(self, run_id: str, concurrency: _concurrency.ConcurrencySpec = None) -> RunHandle:
         """Start a failed, dead or cancelled run again, under its workflow's quota
@@ -696,8 +725,9 @@ class EmitResult:
         self.skipped.append(SkippedSubscriber(workflow, exc))
 
 
-#: The strategies a store's ``admit_queued`` decides alone (CANCEL_* take the generic path).
-_ONE_CALL_STRATEGIES = frozenset({_concurrency.Strategy.REJECT, _concurrency.Strategy.GROUP_ROUND_ROBIN})
+#: The strategies a store's ``admit_queued`` decides alone (CANCEL_IN_PROGRESS and
+#: CANCEL_NEWEST take the generic path).
+_ONE_CALL_STRATEGIES = frozenset({_concurrency.Strategy.REJECT, *_concurrency.QUEUEING_STRATEGIES})
 
 #: How many ancestors a child start looks at (a backstop against a cycle of parents).
 _MAX_DEPTH = 1000

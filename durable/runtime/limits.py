@@ -20,7 +20,9 @@ from durable.stores.base import LimitChangeRecord
 
 #: The outcomes of ``would_admit``: the run would start ("admit", or
 #: "cancel_in_progress": after cancelling the oldest runs of a full key), be
-#: created queued ("queue") or already cancelled ("cancel_newest"), or be refused
+#: created queued ("queue"; with CANCEL_QUEUED_EXCEPT_NEWEST, ``detail`` names the
+#: queued runs it would replace) or already cancelled ("cancel_newest": by
+#: CANCEL_NEWEST, or CANCEL_QUEUED_EXCEPT_OLDEST on a full queue), or be refused
 #: ("reject": ``ConcurrencyLimitError``; "queue_full": ``ConcurrencyQueueFullError``).
 #: "exists": the run id names a run already, which a start returns as it is.
 OUTCOMES = ("admit", "cancel_in_progress", "queue", "cancel_newest", "reject", "queue_full", "exists")
@@ -103,7 +105,7 @@ def check(scope: admission.Scope, workflow: str, quotas: Sequence[_concurrency.Q
     effective = [replace(q, limit=overrides[q.key]) if q.key in overrides else q for q in quotas]
     keys = []
     for code, quota in zip(quotas, effective, strict=True):
-        queued = scope.count(quota.tag, [RunStatus.QUEUED]) if quota.strategy is _concurrency.Strategy.GROUP_ROUND_ROBIN else 0
+        queued = scope.count(quota.tag, [RunStatus.QUEUED]) if quota.strategy in _concurrency.QUEUEING_STRATEGIES else 0
         keys.append(
             KeyCheck(
                 key=quota.key,

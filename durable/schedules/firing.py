@@ -127,9 +127,12 @@ def _start(schedule: models.Schedule, window: datetime, run_id: str, *, now: dat
         logger.info("Schedule %r: %s already started run %s; nothing new was started.", schedule.name, label, run_id)
         return Firing(schedule.name, window, run_id, Outcome.ALREADY_STARTED, handle=handle)
     if handle.status == RunStatus.CANCELLED:
-        # Strategy.CANCEL_NEWEST of the workflow's quota: the run was created cancelled.
-        reason = (handle.error or {}).get("message", "") if isinstance(handle.error, dict) else ""
-        message = f"{label} skipped: its run {run_id!r} was created cancelled (CANCEL_NEWEST). {reason}".strip()
+        # CANCEL_NEWEST (or CANCEL_QUEUED_EXCEPT_OLDEST on a full queue) of the workflow's
+        # quota: the run was created cancelled; its error's type names the strategy.
+        error = handle.error if isinstance(handle.error, dict) else {}
+        reason = error.get("message", "")
+        strategy = str(error.get("type") or "durable.cancel_newest").removeprefix("durable.").upper()
+        message = f"{label} skipped: its run {run_id!r} was created cancelled ({strategy}). {reason}".strip()
         _record_error(schedule, message, now)
         logger.warning("Schedule %r: %s", schedule.name, message)
         _skipped(schedule, window, run_id, message, None)

@@ -1,6 +1,7 @@
--- durable_admit_queued, durable_promote: GROUP_ROUND_ROBIN in one round trip each
--- (PostgreSQL). Installed by migration 0012 (0010 installed the first version); a
--- change here needs a new file in durable/sql/migrations/ and a migration that runs it.
+-- durable_admit_queued, durable_promote: the queueing strategies in one round trip
+-- each (PostgreSQL). Installed by migration 0015 (0010 installed the first version,
+-- 0012 the second); a change here needs a new file in durable/sql/migrations/ and a
+-- migration that runs it.
 --
 -- A key's limit is the one its row holds, an operator's override (limit_override)
 -- replacing the code's limit (the "limit" of a quota, and the row's "limit"), each
@@ -10,15 +11,22 @@
 -- Python's order of str, the order every other locker of durable uses), so they
 -- never deadlock with each other nor with durable_admit or the ORM path.
 
--- durable_admit_queued: the admission of a start whose quotas are REJECT and/or
--- GROUP_ROUND_ROBIN, as admission.decide and Engine._admit make it.
+-- durable_admit_queued: the admission of a start whose quotas are REJECT,
+-- GROUP_ROUND_ROBIN, CANCEL_QUEUED_EXCEPT_NEWEST and/or CANCEL_QUEUED_EXCEPT_OLDEST
+-- (any mix), as admission.decide and Engine._admit make it.
 --
--- p_quotas: [{"key", "limit", "statuses": [...], "group", "strategy", "max_queued"}]
---   in the start's quota order (the order refusals are decided in).
+-- p_quotas: [{"key", "limit", "statuses": [...], "group", "strategy", "max_queued",
+--   "replaced_error"}] in the start's quota order (the order refusals are decided
+--   in); "replaced_error" (CANCEL_QUEUED_EXCEPT_NEWEST): the error of a queued run
+--   this start replaces in the key's queue.
 -- p_ancestors: [{"run_id", "status"}], the parent of a child start first, as read
 --   by the caller.
 -- Returns one row: outcome
---   'created' with the status the run was created with ('pending' or 'queued');
+--   'created' with the status the run was created with ('pending', 'queued', or
+--     'cancelled' with run_error and run_finished_at: CANCEL_QUEUED_EXCEPT_OLDEST
+--     on a full queue), and superseded: the queued runs it cancelled
+--     (CANCEL_QUEUED_EXCEPT_NEWEST), each a row of durable_workflowrun with
+--     "parent_run_id", as durable_promote answers them;
 --   'full' (ConcurrencyLimitError) with full_key, full_limit (in effect), active and reason:
 --     'limit' (a REJECT key full, or a limit of 0 or less), 'lifetime' (finished
 --     runs alone fill the cap), 'ancestor' (holder: an ancestor holding a slot of
@@ -33,16 +41,22 @@
 --    the start's limit and count_statuses on it (so a refused start's limits are
 --    recorded too: this function never rolls back what it wrote).
 -- 2. Count, under the locks, the runs of each key in its count_statuses, and its
---    queued runs (GROUP_ROUND_ROBIN: runs queued before this one go first).
+--    queued runs (queueing strategies: runs queued before this one go first).
 -- 3. Decide in quota order: REJECT full, limit <= 0, a filled lifetime cap refuse;
---    then a start that finds a key full (or with runs queued) is queued, unless
---    the queue is at max_queued or an ancestor holds a slot of the full key.
+--    then a start that finds a key full (or with runs queued) is created
+--    cancelled if a CANCEL_QUEUED_EXCEPT_OLDEST key's queue holds max_queued
+--    runs, else queued, unless a GROUP_ROUND_ROBIN queue is at max_queued or an
+--    ancestor holds a slot of the full key; the oldest queued runs of each
+--    CANCEL_QUEUED_EXCEPT_NEWEST key whose queue holds max_queued runs are
+--    picked to make room (by creation, then run id).
 -- 4. Insert the run and its tags with that status; a run admitted directly moves
 --    the round-robin cursor of its GROUP_ROUND_ROBIN keys to its group, as a
---    hand-off does.
+--    hand-off does. The picked queued runs are cancelled (compare-and-set, as
+--    Engine._cancel's transition; one cancelled meanwhile is skipped).
 -- A refusal of a given run id first makes sure no run has that id (as
 -- durable_admit does), and answers 'exists' when one has.
--- 0012 added the columns durations and oldest_age to the result: the function is dropped first.
+-- 0012 added the columns durations and oldest_age to the result, 0015 run_error,
+-- run_finished_at and superseded: the function is dropped first.
 DROP FUNCTION IF EXISTS durable_admit_queued(jsonb, text, text, text, text, text, jsonb, text, text, boolean, jsonb);
 CREATE OR REPLACE FUNCTION durable_admit_queued(
     p_quotas jsonb,
@@ -58,7 +72,8 @@ CREATE OR REPLACE FUNCTION durable_admit_queued(
     p_ancestors jsonb
 ) RETURNS TABLE (
     outcome text, run_status text, full_key text, full_limit integer, active bigint, queued bigint,
-    max_queued integer, reason text, holder text, durations jsonb, oldest_age double precision
+    max_queued integer, reason text, holder text, durations jsonb, oldest_age double precision,
+    run_error jsonb, run_finished_at timestamp with time zone, superseded jsonb
 )
 LANGUAGE plpgsql VOLATILE
 -- Generic plans: with custom plans (the default) PostgreSQL planned some of its
@@ -85,6 +100,13 @@ DECLARE
     v_holder text;
     v_parent bigint;
     v_pk bigint;
+    v_error jsonb;
+    v_finished_at timestamp with time zone;
+    v_victims bigint[] := '{}';
+    v_victim_errors jsonb := '[]'::jsonb;
+    v_victim bigint;
+    v_superseded jsonb := '[]'::jsonb;
+    v_run durable_workflowrun;
 BEGIN
     -- 1. and 2., one key at a time in key order.
     FOR q, i IN
@@ -108,7 +130,7 @@ BEGIN
            AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
         v_active[i + 1] := v_count;
         v_count := 0;
-        IF q->>'strategy' = 'group_round_robin' THEN
+        IF q->>'strategy' IN ('group_round_robin', 'cancel_queued_except_newest', 'cancel_queued_except_oldest') THEN
             SELECT count(*) INTO v_count FROM durable_runtag t
              WHERE t.tag = 'concurrency:' || v_key AND t.status = 'queued'
                AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
@@ -143,9 +165,29 @@ BEGIN
             END IF;
         END IF;
         IF v_active[i + 1] >= v_limit OR v_queued[i + 1] > 0 THEN
-            v_status := 'queued';  -- only GROUP_ROUND_ROBIN keys get here
+            v_status := 'queued';  -- only the keys of a queueing strategy get here
         END IF;
     END LOOP;
+
+    -- A CANCEL_QUEUED_EXCEPT_OLDEST key whose queue is full: created cancelled, in quota order.
+    IF v_outcome IS NULL AND v_status = 'queued' THEN
+        FOR j IN 0 .. n - 1 LOOP
+            q := p_quotas->j;
+            CONTINUE WHEN q->>'strategy' <> 'cancel_queued_except_oldest'
+                       OR (v_active[j + 1] < v_limits[j + 1] AND v_queued[j + 1] = 0)
+                       OR v_queued[j + 1] < COALESCE((q->>'max_queued')::integer, 1);
+            v_status := 'cancelled';
+            v_finished_at := now();
+            v_error := jsonb_build_object(
+                'type', 'durable.cancel_queued_except_oldest',
+                'message', 'Cancelled at start: the queue of concurrency key ' || (q->>'key') || ' was full ('
+                    || v_queued[j + 1] || ' of max_queued=' || COALESCE(q->>'max_queued', 'None') || ' waiting, '
+                    || v_active[j + 1] || ' of ' || v_limits[j + 1]
+                    || ' in flight); CANCEL_QUEUED_EXCEPT_OLDEST keeps the runs queued first.',
+                'key', q->>'key');
+            EXIT;
+        END LOOP;
+    END IF;
 
     -- The refusals of a start that would be queued, in quota order over its full keys.
     IF v_outcome IS NULL AND v_status = 'queued' THEN
@@ -155,7 +197,8 @@ BEGIN
             v_key := q->>'key';
             v_limit := v_limits[i + 1];
             CONTINUE WHEN v_active[i + 1] < v_limit AND v_queued[i + 1] = 0;
-            IF q->>'max_queued' IS NOT NULL AND v_queued[i + 1] >= (q->>'max_queued')::integer THEN
+            IF q->>'strategy' = 'group_round_robin' AND q->>'max_queued' IS NOT NULL
+               AND v_queued[i + 1] >= (q->>'max_queued')::integer THEN
                 v_outcome := 'queue_full';
                 EXIT;
             END IF;
@@ -177,22 +220,43 @@ BEGIN
         END LOOP;
     END IF;
 
+    -- The queued runs a CANCEL_QUEUED_EXCEPT_NEWEST start replaces, in quota order
+    -- (a run picked for two keys is cancelled once, for the first).
+    IF v_outcome IS NULL AND v_status = 'queued' THEN
+        FOR j IN 0 .. n - 1 LOOP
+            q := p_quotas->j;
+            CONTINUE WHEN q->>'strategy' <> 'cancel_queued_except_newest'
+                       OR v_queued[j + 1] < COALESCE((q->>'max_queued')::integer, 1);
+            FOR v_victim IN
+                SELECT r.id FROM durable_runtag t JOIN durable_workflowrun r ON r.id = t.run_id
+                 WHERE t.tag = 'concurrency:' || (q->>'key') AND t.status = 'queued'
+                   AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace)
+                 ORDER BY r.created_at, r.run_id COLLATE "C"
+                 LIMIT v_queued[j + 1] - COALESCE((q->>'max_queued')::integer, 1) + 1
+            LOOP
+                CONTINUE WHEN v_victim = ANY (v_victims);
+                v_victims := v_victims || v_victim;
+                v_victim_errors := v_victim_errors || jsonb_build_array(q->'replaced_error');
+            END LOOP;
+        END LOOP;
+    END IF;
+
     IF v_outcome IS NULL AND p_parent_run_id IS NOT NULL THEN
         SELECT r.id INTO v_parent FROM durable_workflowrun r WHERE r.run_id = p_parent_run_id;
     END IF;
     IF v_outcome IS NULL OR p_run_id_given THEN
         INSERT INTO durable_workflowrun (
             run_id, workflow, version, namespace, status, input, attempt, generation,
-            lease, worker, queue, waiting_for, dispatched_at, parent_id, fenced
+            lease, worker, queue, waiting_for, dispatched_at, parent_id, fenced, error, finished_at
         ) VALUES (
             p_run_id, p_workflow, p_version, p_namespace, v_status, p_input, 0, 0,
-            '', '', p_queue, '', now(), v_parent, p_count_namespace IS NOT NULL
+            '', '', p_queue, '', now(), v_parent, p_count_namespace IS NOT NULL, v_error, v_finished_at
         ) ON CONFLICT (run_id) DO NOTHING
         RETURNING id INTO v_pk;
         IF v_pk IS NULL THEN
             RETURN QUERY SELECT 'exists'::text, NULL::text, NULL::text, NULL::integer, NULL::bigint, NULL::bigint,
                                 NULL::integer, NULL::text, NULL::text, NULL::jsonb,
-                                NULL::double precision;
+                                NULL::double precision, NULL::jsonb, NULL::timestamp with time zone, NULL::jsonb;
             RETURN;
         END IF;
     END IF;
@@ -210,7 +274,8 @@ BEGIN
                AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
         END IF;
         RETURN QUERY SELECT v_outcome, NULL::text, v_key, v_limit, v_active[i + 1], v_queued[i + 1],
-                            (q->>'max_queued')::integer, v_reason, v_holder, v_durations, v_oldest_age;
+                            (q->>'max_queued')::integer, v_reason, v_holder, v_durations, v_oldest_age,
+                            NULL::jsonb, NULL::timestamp with time zone, NULL::jsonb;
         RETURN;
     END IF;
 
@@ -223,8 +288,20 @@ BEGIN
           FROM jsonb_array_elements(p_quotas) AS e
          WHERE l.key = e->>'key' AND e->>'strategy' = 'group_round_robin';
     END IF;
+    FOR j IN 1 .. cardinality(v_victims) LOOP
+        UPDATE durable_workflowrun r
+           SET status = 'cancelled', updated_at = now(), lease = '', waiting_for = '', wake_at = NULL,
+               error = v_victim_errors->(j - 1), finished_at = now()
+         WHERE r.id = v_victims[j] AND r.status IN ('pending', 'queued', 'running', 'suspended', 'blocked')
+        RETURNING r.* INTO v_run;
+        CONTINUE WHEN NOT FOUND;  -- cancelled meanwhile: it left the queue already
+        UPDATE durable_runtag t SET status = 'cancelled' WHERE t.run_id = v_run.id;
+        v_superseded := v_superseded || jsonb_build_array(to_jsonb(v_run) || jsonb_build_object(
+            'parent_run_id', (SELECT p.run_id FROM durable_workflowrun p WHERE p.id = v_run.parent_id)));
+    END LOOP;
     RETURN QUERY SELECT 'created'::text, v_status, NULL::text, NULL::integer, NULL::bigint, NULL::bigint,
-                        NULL::integer, NULL::text, NULL::text, NULL::jsonb, NULL::double precision;
+                        NULL::integer, NULL::text, NULL::text, NULL::jsonb, NULL::double precision,
+                        v_error, v_finished_at, v_superseded;
 END;
 $$;
 

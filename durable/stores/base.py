@@ -176,13 +176,18 @@ class BaseStore:
         count_namespace: str | None,
         run_id_given: bool = False,
         ancestors: Sequence[RunRecord] = (),
+        superseded: list[RunRecord] | None = None,
     ) -> bool:
-        """The admission of a start whose quotas are REJECT and/or GROUP_ROUND_ROBIN
-        in one go, deciding as ``admission.decide`` does (``ancestors``: a child
-        start's parent, its parent...): create the run ``pending`` or ``queued``
-        and set ``record.status``. False when this store has no such path (the
-        engine takes its generic one). Raises as ``admit``, and
-        ``ConcurrencyQueueFullError``. Default: False."""
+        """The admission of a start whose quotas are REJECT and/or the queueing
+        strategies (GROUP_ROUND_ROBIN, CANCEL_QUEUED_EXCEPT_NEWEST / _OLDEST) in
+        one go, deciding as ``admission.decide`` does (``ancestors``: a child
+        start's parent, its parent...): create the run ``pending``, ``queued`` or
+        ``cancelled`` and set ``record.status`` (and its ``error`` and
+        ``finished_at`` when cancelled); cancel the queued runs the start replaces
+        (with ``concurrency.replaced_error``) and append them, as cancelled, to
+        ``superseded`` for the engine to finish their cancel. False when this store
+        has no such path (the engine takes its generic one). Raises as ``admit``,
+        and ``ConcurrencyQueueFullError``. Default: False."""
         return False
 
     def run_exists(self, run_id: str) -> bool:

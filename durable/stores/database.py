@@ -19,7 +19,7 @@ from django.db.models.functions import Coalesce, Concat
 from django.utils import timezone
 
 from durable import conf, exceptions
-from durable.concurrency import TAG_PREFIX, Quota
+from durable.concurrency import TAG_PREFIX, Quota, Strategy, replaced_error
 from durable.status import TERMINAL_STATUSES, RunStatus
 from durable.stores.base import (
     DURATION_EVERY,
@@ -308,13 +308,15 @@ class DjangoStore(BaseStore):
         count_namespace: str | None,
         run_id_given: bool = False,
         ancestors: Sequence[RunRecord] = (),
+        superseded: list[RunRecord] | None = None,
     ) -> bool:
-        """The admission of a start whose quotas are REJECT and/or GROUP_ROUND_ROBIN
-        in one round trip, on PostgreSQL (the function ``durable_admit_queued``):
-        it decides as ``admission.decide`` does and creates the run ``pending`` or
-        ``queued`` (``record.status`` is set). False when this database has no such
-        path. Raises ``ConcurrencyLimitError`` (``ConcurrencyQueueFullError``) or
-        ``RunExists``."""
+        """The admission of a start whose quotas are REJECT and/or the queueing
+        strategies in one round trip, on PostgreSQL (the function
+        ``durable_admit_queued``): it decides as ``admission.decide`` does, creates
+        the run ``pending``, ``queued`` or ``cancelled`` (``record`` is updated) and
+        cancels the queued runs it replaces (appended to ``superseded``). False when
+        this database has no such path. Raises ``ConcurrencyLimitError``
+        (``ConcurrencyQueueFullError``) or ``RunExists``."""
         connection = self._postgres()
         if connection is None:
             return False
@@ -327,6 +329,9 @@ class DjangoStore(BaseStore):
                 "group": groups[q.tag],
                 "strategy": str(q.strategy),
                 "max_queued": q.max_queued,
+                "replaced_error": replaced_error(q.key, record.run_id)
+                if q.strategy is Strategy.CANCEL_QUEUED_EXCEPT_NEWEST
+                else None,
             }
             for q in quotas
         ]
@@ -339,10 +344,16 @@ class DjangoStore(BaseStore):
                     json.dumps([{"run_id": a.run_id, "status": str(a.status)} for a in ancestors]),
                 ],
             )
-            outcome, status, key, limit, active, queued, max_queued, reason, holder, durations, oldest_age = cursor.fetchone()
+            row = cursor.fetchone()
+        outcome, status, key, limit, active, queued, max_queued, reason, holder, durations, oldest_age = row[:11]
+        run_error, finished_at, cancelled = row[11:]
         seconds = conf.retry_after_seconds(estimate(_json(durations), oldest_age))
         if outcome == "created":
             record.status = status
+            if status == RunStatus.CANCELLED:
+                record.error, record.finished_at = _json(run_error), finished_at
+            if superseded is not None:
+                superseded.extend(_run_record(run) for run in _json(cancelled) or [])
             return True
         if outcome == "exists":
             raise RunExists(record.run_id)

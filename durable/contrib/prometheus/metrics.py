@@ -24,7 +24,8 @@ from durable.status import RunStatus
 logger = logging.getLogger(__name__)
 
 #: Starts by outcome: ``admitted`` (created pending), ``queued`` (created queued,
-#: waiting for a slot), ``cancelled`` (created cancelled: CANCEL_NEWEST) and
+#: waiting for a slot), ``cancelled`` (created cancelled: CANCEL_NEWEST,
+#: CANCEL_QUEUED_EXCEPT_OLDEST) and
 #: ``refused`` (``ConcurrencyLimitError``, nothing created; a refused retry too).
 STARTS = Counter("durable_starts", "Starts of workflow runs, by outcome.", ["workflow", "outcome"])
 #: Runs that reached a terminal status.
