@@ -47,8 +47,10 @@ def _lock(store: DjangoStore, key: str, limit: int | None = None) -> int | None:
     found = list(row)
     if not found and limit is not None:
         # No count_statuses: no run is counted under this key unless a start says so.
+        # ON CONFLICT DO NOTHING waits for a concurrent insert of the key; then lock
+        # the row (a new query: the first one's empty result is cached).
         locks.bulk_create([Lock(key=key, limit=limit, count_statuses=[])], ignore_conflicts=True)
-        found = list(row)
+        found = list(row.all())
     return found[0] if found else None
 
 
