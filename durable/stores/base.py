@@ -41,8 +41,9 @@ class SlotAnswer:
     ``outcome``: ``"held"`` (the step runs its body now), ``"waiting"`` (the run
     is parked ``suspended``, waiting for ``slot:<key>``), ``"full"`` (the key is
     full and the step does not wait: nothing was written), ``"lost"`` (the run no
-    longer belongs to the lease). ``active``, ``limit``: the key's held slots and
-    the limit in effect, as counted. ``woken``: runs handed a slot meanwhile, to wake.
+    longer belongs to the lease). ``active``, ``limit``: the key's held slots
+    (counted for a new slot, a wait or a refusal; 0 when the step's own slot was
+    found again) and the limit in effect. ``woken``: runs handed a slot meanwhile, to wake.
     """
 
     outcome: str

@@ -442,7 +442,7 @@ class InMemoryStore(BaseStore):
             if mine is not None:
                 if mine.status == "held" and mine.lease in ("", lease):
                     mine.lease = lease
-                    return SlotAnswer("held", self._held(key), in_effect)
+                    return SlotAnswer("held", limit=in_effect)
                 del self._slots[(run_id, position)]  # a dead execution's (taken over), or woken otherwise
             woken = self._hand_off(key)
             active = self._held(key)

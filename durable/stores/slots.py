@@ -65,23 +65,31 @@ def _held(store: DjangoStore, key: str) -> int:
     return int(held.exclude(Exists(journaled)).count())
 
 
-def _hand_off(store: DjangoStore, key: str, override: int | None) -> list[str]:
-    """Give the key's free slots to its waiters, oldest first (the key is locked);
-    the run ids of those given one. A waiter whose run ended is dropped."""
+def _hand_off(store: DjangoStore, key: str, override: int | None) -> tuple[list[str], int, bool]:
+    """Give the key's free slots to its waiters, oldest first (the key is locked).
+
+    Returns the run ids given one, the key's slots in use after that, and whether
+    steps still wait. A waiter whose run ended is dropped. The count is made once:
+    under the key's lock nothing else takes a slot, and a slot freed meanwhile (a
+    journal write, a cancel) is handed on by the release that follows it."""
     woken: list[str] = []
     slots = _slots(store)
+    heads = slots.filter(key=key, status="waiting").order_by("id").values_list("id", "limit", "run__status", "run__run_id")
+    held: int | None = None
     while True:
-        head = slots.filter(key=key, status="waiting").order_by("id").values_list("id", "limit", "run__status", "run__run_id")
-        first = head.first()
+        first = heads.all().first()
         if first is None:
-            return woken
+            return woken, _held(store, key) if held is None else held, False
         pk, limit, status, run_id = first
         if status in TERMINAL_STATUSES:
             slots.filter(pk=pk).delete()
             continue
-        if _held(store, key) >= (limit if override is None else override):
-            return woken
+        if held is None:
+            held = _held(store, key)
+        if held >= (limit if override is None else override):
+            return woken, held, True
         slots.filter(pk=pk).update(status="held", lease="", granted_at=timezone.now())
+        held += 1
         woken.append(run_id)
 
 
@@ -100,13 +108,11 @@ def acquire(store: DjangoStore, run_id: str, lease: str, position: int, *, key: 
             if status == "held" and holder in ("", lease):
                 if holder != lease:
                     slots.filter(pk=row).update(lease=lease)
-                return SlotAnswer("held", _held(store, key), in_effect)
+                return SlotAnswer("held", limit=in_effect)
             # Held by a dead execution of this run (taken over): free it, ask again
             # behind the waiters. A waiting row (its run woken otherwise): ask again.
             slots.filter(pk=row).delete()
-        woken = _hand_off(store, key, override)
-        active = _held(store, key)
-        waiting = slots.filter(key=key, status="waiting").exists()
+        woken, active, waiting = _hand_off(store, key, override)
         if in_effect > 0 and active < in_effect and not waiting:
             now = timezone.now()
             slots.create(run_id=pk, key=key, position=position, status="held", limit=limit, lease=lease, granted_at=now)
@@ -135,7 +141,7 @@ def release(store: DjangoStore, run_id: str, position: int, *, lease: str) -> li
         override = _lock(store, key)
         if not mine.delete()[0]:
             return []
-        return _hand_off(store, key, override)
+        return _hand_off(store, key, override)[0]
 
 
 def release_run(store: DjangoStore, run_id: str) -> list[tuple[str, str]]:
@@ -146,7 +152,7 @@ def release_run(store: DjangoStore, run_id: str) -> list[tuple[str, str]]:
         with transaction.atomic(using=store.using):
             override = _lock(store, key)
             slots.filter(run__run_id=run_id, key=key).delete()
-            woken += [(key, r) for r in _hand_off(store, key, override)]
+            woken += [(key, r) for r in _hand_off(store, key, override)[0]]
     return woken
 
 
@@ -164,7 +170,7 @@ def hand_off_all(store: DjangoStore) -> list[tuple[str, str]]:
             # Rows that no longer count (journaled steps, ended runs): gone for good.
             stale = slots.filter(key=key, status="held").filter(Exists(journaled) | ~Q(run__status__in=ACTIVE_STATUSES))
             slots.filter(pk__in=list(stale.values_list("pk", flat=True))).delete()
-            woken += [(key, r) for r in _hand_off(store, key, override)]
+            woken += [(key, r) for r in _hand_off(store, key, override)[0]]
     # Runs handed a slot whose wake-up was lost (a crash right after the hand-off committed).
     parked = (
         slots.filter(status="held", run__status=RunStatus.SUSPENDED)
