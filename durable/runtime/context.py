@@ -211,7 +211,7 @@ class WorkflowContext:
         Best effort: a slot whose step is journaled or whose run ended counts no more,
         and the sweeper hands it on."""
         try:
-            woken = self.engine.store.release_slot(self.run_id, position, lease=self._lease)
+            woken = self.engine.store.release_slot(self.run_id, position, key=key, lease=self._lease)
         except Exception:
             self.engine.executor._recover()
             logger.warning("Run %s could not hand on its slot of %s; the sweeper does.", self.run_id, key, exc_info=True)

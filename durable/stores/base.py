@@ -350,9 +350,9 @@ class BaseStore:
         journaled and its run is active."""
         raise NotImplementedError(f"{type(self).__name__} has no step-level quotas.")
 
-    def release_slot(self, run_id: str, position: int, *, lease: str) -> list[str]:
+    def release_slot(self, run_id: str, position: int, *, key: str, lease: str) -> list[str]:
         """The step at ``position`` ended (journaled, or its run stopped): delete its
-        row if ``lease`` holds it and hand the key's free slots to its waiters, under
+        slot of ``key`` if ``lease`` holds it and hand the key's free slots to its waiters, under
         the key's lock; the runs handed a slot, to wake (``SLOT_WAIT_PREFIX`` + key)."""
         raise NotImplementedError(f"{type(self).__name__} has no step-level quotas.")
 

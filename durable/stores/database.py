@@ -785,8 +785,8 @@ class DjangoStore(BaseStore):
     def acquire_slot(self, run_id: str, lease: str, position: int, *, key: str, limit: int, queue: bool) -> SlotAnswer:
         return slots.acquire(self, run_id, lease, position, key=key, limit=limit, queue=queue)
 
-    def release_slot(self, run_id: str, position: int, *, lease: str) -> list[str]:
-        return slots.release(self, run_id, position, lease=lease)
+    def release_slot(self, run_id: str, position: int, *, key: str, lease: str) -> list[str]:
+        return slots.release(self, run_id, position, key=key, lease=lease)
 
     def release_run_slots(self, run_id: str) -> list[tuple[str, str]]:
         return slots.release_run(self, run_id)

@@ -440,7 +440,7 @@ class InMemoryStore(BaseStore):
                 return SlotAnswer("lost")
             mine = self._slots.get((run_id, position))
             if mine is not None:
-                if mine.status == "held" and mine.lease in ("", lease):
+                if mine.key == key and mine.status == "held" and mine.lease in ("", lease):
                     mine.lease = lease
                     return SlotAnswer("held", limit=in_effect)
                 del self._slots[(run_id, position)]  # a dead execution's (taken over), or woken otherwise
@@ -464,10 +464,10 @@ class InMemoryStore(BaseStore):
             )
             return SlotAnswer("waiting", active, in_effect, tuple(woken))
 
-    def release_slot(self, run_id: str, position: int, *, lease: str) -> list[str]:
+    def release_slot(self, run_id: str, position: int, *, key: str, lease: str) -> list[str]:
         with self._lock:
             mine = self._slots.get((run_id, position))
-            if mine is None or mine.status != "held" or mine.lease != lease:
+            if mine is None or mine.key != key or mine.status != "held" or mine.lease != lease:
                 return []
             del self._slots[(run_id, position)]
             return self._hand_off(mine.key)

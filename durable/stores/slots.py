@@ -95,6 +95,11 @@ def _hand_off(store: DjangoStore, key: str, override: int | None) -> tuple[list[
 
 def acquire(store: DjangoStore, run_id: str, lease: str, position: int, *, key: str, limit: int, queue: bool) -> SlotAnswer:
     slots = _slots(store)
+    # The slot handed to this step while its run was parked: take it up in one
+    # statement, without the key's lock (the key's count does not change).
+    mine = slots.filter(run__run_id=run_id, run__status=RunStatus.RUNNING, run__lease=lease, position=position)
+    if mine.filter(key=key, status="held", lease__in=["", lease]).update(lease=lease):
+        return SlotAnswer("held", limit=limit)
     with transaction.atomic(using=store.using):
         override = _lock(store, key, limit)
         in_effect = limit if override is None else override
@@ -102,10 +107,10 @@ def acquire(store: DjangoStore, run_id: str, lease: str, position: int, *, key: 
         pk = run.values_list("pk", flat=True).first()
         if pk is None:
             return SlotAnswer("lost")
-        mine = slots.filter(run_id=pk, position=position).values_list("id", "status", "lease").first()
-        if mine is not None:
-            row, status, holder = mine
-            if status == "held" and holder in ("", lease):
+        found = slots.filter(run_id=pk, position=position).values_list("id", "key", "status", "lease").first()
+        if found is not None:
+            row, its_key, status, holder = found
+            if its_key == key and status == "held" and holder in ("", lease):
                 if holder != lease:
                     slots.filter(pk=row).update(lease=lease)
                 return SlotAnswer("held", limit=in_effect)
@@ -131,16 +136,12 @@ def acquire(store: DjangoStore, run_id: str, lease: str, position: int, *, key: 
         return SlotAnswer("waiting", active, in_effect, tuple(woken))
 
 
-def release(store: DjangoStore, run_id: str, position: int, *, lease: str) -> list[str]:
-    slots = _slots(store)
-    mine = slots.filter(run__run_id=run_id, position=position, lease=lease, status="held")
-    key = mine.values_list("key", flat=True).first()
-    if key is None:
-        return []  # a takeover freed it already, or it was never taken
+def release(store: DjangoStore, run_id: str, position: int, *, key: str, lease: str) -> list[str]:
+    mine = _slots(store).filter(run__run_id=run_id, position=position, key=key, lease=lease, status="held")
     with transaction.atomic(using=store.using):
         override = _lock(store, key)
         if not mine.delete()[0]:
-            return []
+            return []  # a takeover freed it already
         return _hand_off(store, key, override)[0]
 
 
