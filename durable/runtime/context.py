@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -210,11 +211,13 @@ class WorkflowContext:
         """The step ended (journaled, or stopped): give its slot back and hand it on.
         Best effort: a slot whose step is journaled or whose run ended counts no more,
         and the sweeper hands it on."""
+        store = self.engine.store
         try:
-            woken = self.engine.store.release_slot(self.run_id, position, key=key, lease=self._lease)
+            woken = store.release_slot(self.run_id, position, key=key, lease=self._lease)
         except Exception:
-            self.engine.executor._recover()
             logger.warning("Run %s could not hand on its slot of %s; the sweeper does.", self.run_id, key, exc_info=True)
+            with contextlib.suppress(Exception):  # drop a connection the error left unusable
+                store.recover()
             return
         if woken:
             self.engine.executor.slots_handed([(key, run_id) for run_id in woken])

@@ -481,14 +481,13 @@ class InMemoryStore(BaseStore):
 
     def hand_off_slots(self) -> list[tuple[str, str]]:
         with self._lock:
+            for ident, slot in list(self._slots.items()):  # rows that no longer count
+                run = self._runs.get(slot.run_id)
+                step = self._steps.get(slot.run_id, {}).get(slot.position)
+                ended = run is None or run.status in TERMINAL_STATUSES
+                if slot.status == "held" and (ended or (step is not None and step.outcome != "waiting")):
+                    del self._slots[ident]
             keys = sorted({s.key for s in self._slots.values() if s.status == "waiting"})
-            for key in keys:
-                for ident, slot in list(self._slots.items()):
-                    run = self._runs.get(slot.run_id)
-                    step = self._steps.get(slot.run_id, {}).get(slot.position)
-                    ended = run is None or run.status in TERMINAL_STATUSES
-                    if slot.key == key and slot.status == "held" and (ended or (step is not None and step.outcome != "waiting")):
-                        del self._slots[ident]
             woken = [(key, run_id) for key in keys for run_id in self._hand_off(key)]
             for slot in self._slots.values():
                 run = self._runs.get(slot.run_id)

@@ -423,3 +423,17 @@ def test_an_operator_override_replaces_the_steps_limit(engine: Engine, dispatche
     dispatcher.sent.remove("b")
     run_pending(engine, dispatcher)
     assert log == [("in", "a"), ("in", "b"), ("out", "b"), ("out", "a")]  # b ran inside a's step: 2 slots
+
+
+def test_the_sweeper_deletes_slot_rows_that_no_longer_count(
+    engine: Engine, dispatcher: RecordingDispatcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine.register("w", "1", lambda ctx, input: ctx.step("gen", str, 1, concurrency=Concurrency(key=KEY, limit=1)))
+    handle = engine.start("w", {})
+    monkeypatch.setattr(WorkflowContext, "_give_slot", lambda self, position, key: None)  # a crash after the journal write
+    run_pending(engine, dispatcher)
+    monkeypatch.undo()
+    assert handle.refresh().status == RunStatus.COMPLETED
+    assert held(engine.store) == [(handle.run_id, 0, "held")]  # journaled: it counts no more, but the row is left
+    assert engine.sweep()["slots"] == []
+    assert held(engine.store) == []
