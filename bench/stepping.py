@@ -194,7 +194,8 @@ def _report_i(report: Report, runs: list[float], steps: list[float], overlaps: i
         f"(i) {label}. A step hand-off: the previous step's journal write (which frees its slot), its release "
         "handing the slot to the oldest waiting step, the wake-up of that step's run (suspended -> pending) and "
         "its Redis message, the worker claiming the run, replaying its journal up to the step and taking the "
-        "slot up; timed from the previous step's body end to the next step's body start. The run hand-off is "
+        "slot up; timed from the previous step's body end to the next step's body start. With one worker thread, "
+        "the previous run's finish (its last round trip) also comes before the next claim. The run hand-off is "
         "section (d)'s, measured in the same worker right before."
     )
     report.target(
