@@ -1,8 +1,10 @@
 """Step-level quotas on Django's ORM (PostgreSQL and SQLite): ``DjangoStore``'s
 ``acquire_slot``, ``release_slot``, ``release_run_slots`` and ``hand_off_slots``.
 
-Every write to a key's ``StepSlot`` rows happens under the lock of the key's
-``ConcurrencyLock`` row (SELECT ... FOR UPDATE), the row run admission locks:
+Every write that can change a key's count of ``StepSlot`` rows happens under the
+lock of the key's ``ConcurrencyLock`` row (SELECT ... FOR UPDATE), the row run
+admission locks (taking up a slot handed to a step only sets its lease, and
+deleting rows that no longer count changes no count):
 keys are locked one at a time, before any run row, so these never deadlock with
 admission, hand-offs of queued runs, or each other. A run row is locked only by
 ``acquire_slot`` (its own run, to check the lease and park it); waking the runs
