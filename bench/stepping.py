@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from typing import Any
 
 import psycopg
 
-from bench import handoff, queueing, step_handoff
+from bench import queueing, step_handoff
 from bench import report as _report
 from bench.broker import broker_app, delete_queue, purge, reach
 from bench.celery_worker import CeleryWorker
@@ -66,10 +65,10 @@ def section_i(opts: Options, report: Report, scratch: Scratch, progress: Progres
         holder = _park_steps(app, queue, n, "i-step-k0", release)
         progress(f"(i) starting a Celery worker ({worker.describe()}); waiting for the runs")
         with worker:
-            _wait_done(conninfo, handoff.WORKFLOW, "i-run-", n, worker, progress)
+            queueing._wait_finished(conninfo, "i-run-", n, worker, progress, section="i")
             release.set()  # the holder's step ends: its release hands the slot to the first waiting step
             holder.join(timeout=60)
-            _wait_done(conninfo, step_handoff.WORKFLOW, "i-step-", n, worker, progress)
+            queueing._wait_finished(conninfo, "i-step-", n, worker, progress, workflow=step_handoff.WORKFLOW, section="i")
     finally:
         try:
             delete_queue(app, queue)
@@ -121,29 +120,6 @@ def _park_steps(app: Any, queue: str, n: int, key: str, release: threading.Event
         if run.status != RunStatus.SUSPENDED:
             raise RuntimeError(f"(i) run {run_id} did not park for the step slot: {run.status}")
     return thread
-
-
-_PROGRESS = "SELECT status, count(*) FROM durable_workflowrun WHERE workflow = %s AND input ->> 'key' LIKE %s GROUP BY status"
-
-
-def _wait_done(conninfo: str, workflow: str, prefix: str, n: int, worker: CeleryWorker, progress: Progress) -> None:
-    from durable.status import TERMINAL_STATUSES
-
-    done, last_change, stall = -1, time.monotonic(), 60.0
-    with psycopg.connect(conninfo, autocommit=True) as conn:
-        while True:
-            worker.check()
-            counts = {str(s): int(c) for s, c in conn.execute(_PROGRESS, (workflow, prefix + "%")).fetchall()}
-            finished = sum(c for s, c in counts.items() if s in TERMINAL_STATUSES)
-            if any(counts.get(k) for k in ("failed", "dead", "cancelled")):
-                raise WorkerError(f"(i) some runs of {workflow} did not complete: {counts}\n{worker.log_tail()}")
-            if finished >= n:
-                return
-            if finished != done:
-                done, last_change = finished, time.monotonic()
-            elif time.monotonic() - last_change > stall:
-                raise WorkerError(f"(i) no run of {workflow} finished for {stall:.0f} s ({counts}):\n{worker.log_tail()}")
-            time.sleep(0.1)
 
 
 def _run_latencies(conninfo: str) -> list[float]:
