@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-SECTIONS = ("a", "b", "c", "d", "e", "f", "g", "h")
+SECTIONS = ("a", "b", "c", "d", "e", "f", "g", "h", "i")
 
 #: Defaults of a full run (about 10 minutes on 2 cores) and of --quick.
 FULL = {
@@ -64,7 +64,9 @@ DESCRIPTION = (
     "admission: queued starts/s against REJECT starts/s, and hand-offs/s; (f) latency from Wf.dispatch to "
     "the first step's body with a warm Celery worker, against a bare Celery task's; (g) one-step runs "
     "completed per second by one Celery worker process against procrastinate's worker; (h) the API's and "
-    "the admin's lists with a big history against a small one."
+    "the admin's lists with a big history against a small one; (i) step-level quota hand-off latency (a "
+    "limited step ends -> the next waiting step's body starts) with a real Celery worker, against (d)'s run "
+    "hand-off in the same worker."
 )
 
 
@@ -120,7 +122,9 @@ def parser() -> argparse.ArgumentParser:
         help=f"Redis URL of the broker of (a), (d), (f) and (g) "
         f"(default: CELERY_BROKER_URL if it is a Redis URL, else {DEFAULT_BROKER}).",
     )
-    d.add_argument("--handoffs", type=int, help="Runs started; hand-offs = runs - keys (full 300, quick 60).")
+    d.add_argument(
+        "--handoffs", type=int, help="Runs started; hand-offs = runs - keys (full 300, quick 60); (i) too, on one key."
+    )
     d.add_argument(
         "--handoff-keys",
         type=int,

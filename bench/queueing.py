@@ -114,9 +114,19 @@ SELECT status, count(*) FROM durable_workflowrun WHERE workflow = %s AND input -
 """
 
 
-def _wait_finished(conninfo: str, prefix: str, n: int, worker: CeleryWorker, progress: Progress, stall: float = 60.0) -> None:
-    """Poll until the ``n`` runs on keys ``prefix*`` are finished; raise if the worker
-    dies or stops making progress."""
+def _wait_finished(
+    conninfo: str,
+    prefix: str,
+    n: int,
+    worker: CeleryWorker,
+    progress: Progress,
+    stall: float = 60.0,
+    *,
+    workflow: str = "",
+    section: str = "d",
+) -> None:
+    """Poll until the ``n`` runs (of ``workflow``, default the hand-off workflow) on
+    keys ``prefix*`` are finished; raise if the worker dies or stops making progress."""
     from bench import handoff
     from durable.status import TERMINAL_STATUSES
 
@@ -124,23 +134,23 @@ def _wait_finished(conninfo: str, prefix: str, n: int, worker: CeleryWorker, pro
     with psycopg.connect(conninfo, autocommit=True) as conn:
         while True:
             worker.check()
-            rows = conn.execute(_PROGRESS, (handoff.WORKFLOW, prefix + "%")).fetchall()
+            rows = conn.execute(_PROGRESS, (workflow or handoff.WORKFLOW, prefix + "%")).fetchall()
             counts: dict[str, int] = {str(status): int(count) for status, count in rows}
             finished = sum(count for status, count in counts.items() if status in TERMINAL_STATUSES)
             if finished != done:
                 done, last_change = finished, time.monotonic()
             if any(counts.get(k) for k in ("failed", "dead", "cancelled")):
-                raise WorkerError(f"(d) some hand-off runs did not complete: {counts}\n{worker.log_tail()}")
+                raise WorkerError(f"({section}) some hand-off runs did not complete: {counts}\n{worker.log_tail()}")
             if finished >= n:
                 return
             now = time.monotonic()
             if now - last_change > stall:
                 raise WorkerError(
-                    f"(d) no run finished for {stall:.0f} s ({finished} of {n} done, statuses {counts}); "
+                    f"({section}) no run finished for {stall:.0f} s ({finished} of {n} done, statuses {counts}); "
                     f"the worker's log:\n{worker.log_tail()}"
                 )
             if now - last_report > 5:
-                progress(f"(d) {finished} of {n} runs finished")
+                progress(f"({section}) {finished} of {n} runs finished")
                 last_report = now
             time.sleep(0.1)
 

@@ -7,7 +7,7 @@ import time
 
 from django.db import connection
 
-from bench import broker, dispatching, queueing, readside, sections, starters, throughput
+from bench import broker, dispatching, queueing, readside, sections, starters, stepping, throughput
 from bench.pool import WorkerPool
 from bench.report import Report
 from bench.scratch import scratch_databases
@@ -61,12 +61,17 @@ def run(opts: Options, progress: Progress) -> Report:
             t0 = time.perf_counter()
             queueing.section_d(opts, report, scratch, progress)
             progress(f"(d) done in {time.perf_counter() - t0:.0f} s")
+        if "i" in opts.only:
+            # No benchmark process: the Celery worker is the process that matters.
+            t0 = time.perf_counter()
+            stepping.section_i(opts, report, scratch, progress)
+            progress(f"(i) done in {time.perf_counter() - t0:.0f} s")
         if "g" in opts.only:
             # No benchmark process: the workers are the processes that matter.
             t0 = time.perf_counter()
             throughput.section_g(opts, report, scratch, progress)
             progress(f"(g) done in {time.perf_counter() - t0:.0f} s")
-        pooled = [name for name in opts.only if name not in ("d", "g", "h")]
+        pooled = [name for name in opts.only if name not in ("d", "g", "h", "i")]
         if pooled:
             size = max([max(opts.procs)] * bool({"a", "e"} & set(pooled)) + [opts.starters] * ("b" in pooled) + [1])
             progress(f"spawning {size} benchmark process(es)")
@@ -115,6 +120,8 @@ def _describe(opts: Options) -> str:
             f"(d) {opts.handoffs} runs on {opts.handoff_keys} key(s), Celery worker on {_sanitize(opts.broker)} "
             f"({opts.broker_source})"
         )
+    if "i" in opts.only:
+        parts.append(f"(i) {opts.handoffs} runs per chain, Celery worker on {_sanitize(opts.broker)} ({opts.broker_source})")
     if "g" in opts.only:
         parts.append(f"(g) {opts.g_runs:,} runs per kind, {opts.g_rounds} round(s), workers on {_sanitize(opts.broker)}")
     if "h" in opts.only:

@@ -67,6 +67,15 @@ def replaced_error(key: str, replaced_by: str) -> dict[str, str]:
 
 
 KeySpec = str | Callable[[Any], str | None] | None
+
+
+class _DefaultStrategy(str):
+    """The value of ``Concurrency(strategy=...)`` when none is passed: ``REJECT``
+    for a run's quota, queueing for a step's (``Concurrency.strategy_given``)."""
+
+
+_DEFAULT_STRATEGY: Any = _DefaultStrategy(Strategy.REJECT.value)
+
 #: An integer, a CEL expression over ``input`` and ``key`` (a string), or a sync
 #: or async function of the key.
 LimitSpec = int | str | Callable[[str], Any]
@@ -97,11 +106,12 @@ class Concurrency:
     key: KeySpec = None
     limit: LimitSpec = 1
     count_statuses: Sequence[str] = DEFAULT_CONCURRENCY_STATUSES
-    strategy: Strategy = Strategy.REJECT
+    strategy: Strategy = _DEFAULT_STRATEGY
     expression: str | None = None
     max_queued: int | None = None
     _program: Any = field(default=None, init=False, repr=False, compare=False)
     _limit_program: Any = field(default=None, init=False, repr=False, compare=False)
+    _strategy_given: bool = field(default=True, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if (self.key is None) == (self.expression is None):
@@ -133,6 +143,7 @@ class Concurrency:
                 f"among {sorted(COUNTABLE_STATUSES)}, got {statuses!r}."
             )
         object.__setattr__(self, "count_statuses", tuple(dict.fromkeys(statuses)))
+        object.__setattr__(self, "_strategy_given", self.strategy is not _DEFAULT_STRATEGY)
         try:
             strategy = Strategy(self.strategy)
         except ValueError:
@@ -157,6 +168,12 @@ class Concurrency:
                 raise exceptions.InvalidStartError(
                     f"Concurrency(max_queued=...) must be a non-negative integer, got {self.max_queued!r}."
                 )
+
+    @property
+    def strategy_given(self) -> bool:
+        """Whether ``strategy=`` was passed: a run's quota defaults to ``REJECT``,
+        a step's (``ctx.step(..., concurrency=...)``) to waiting for a slot."""
+        return self._strategy_given
 
     @property
     def is_static(self) -> bool:

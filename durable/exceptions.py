@@ -178,10 +178,12 @@ class Suspend(BaseException):
     so that a workflow's ``except Exception`` does not swallow it.
     """
 
-    def __init__(self, waiting_for: str, wake_at: Any = None) -> None:
+    def __init__(self, waiting_for: str, wake_at: Any = None, *, parked: bool = False) -> None:
         super().__init__(waiting_for)
         self.waiting_for = waiting_for
         self.wake_at = wake_at
+        #: The store parked the run already (a step waiting for a slot of its quota).
+        self.parked = parked
 
 
 class RunCancelled(BaseException):

@@ -264,3 +264,40 @@ class Schedule(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class StepSlot(models.Model):
+    """A step's claim on a slot of a step-level quota (``ctx.step(..., concurrency=...)``).
+
+    ``held``: the step may run its body (or will, once its run is claimed again
+    after a hand-off). ``waiting``: the run is parked until a slot of ``key`` is
+    handed to it, oldest first. Rows are written under the key's ``ConcurrencyLock``
+    row lock. A held row stops counting the moment its step's result is journaled
+    or its run leaves the active statuses (the store is the truth, as for runs);
+    the row itself is deleted just after (or by the sweeper).
+    """
+
+    class Status(models.TextChoices):
+        HELD = "held"
+        WAITING = "waiting"
+
+    key = models.CharField(max_length=255)
+    run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="step_slots")
+    #: The journal position of the step.
+    position = models.PositiveIntegerField()
+    status = models.CharField(max_length=8, choices=Status.choices)
+    #: The limit the step asked for (an override on the key's lock row replaces it).
+    limit = models.IntegerField()
+    #: The execution running the step's body ("" for a slot handed to a parked run
+    #: and not yet taken up): a held row of another lease is a dead execution's.
+    lease = models.CharField(max_length=32, blank=True, default="")
+    created_at = models.DateTimeField(db_default=Now())
+    granted_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["key", "id"]
+        constraints = [models.UniqueConstraint(fields=["run", "position"], name="durable_stepslot_unique")]
+        indexes = [models.Index(fields=["key", "status", "id"], name="durable_stepslot_key_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.run_id}@{self.position} ({self.status})"

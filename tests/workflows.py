@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from durable import Concurrency, DurableWorkflow, FatalError, Strategy, WorkflowContext
+from durable import Concurrency, ConcurrencyLimitError, DurableWorkflow, FatalError, Strategy, WorkflowContext
 
 #: Calls of step functions, by name (in-process workers only).
 CALLS: dict[str, int] = {}
@@ -130,3 +130,49 @@ class ChaosWorkflow(DurableWorkflow):
 
     def run(self, ctx: WorkflowContext, input: dict[str, Any]) -> list[str]:
         return [ctx.step(f"s{i}", logged_step, input["log"], f"{ctx.run_id}:s{i}", input["pause"]) for i in range(4)]
+
+
+class StepSlotWorkflow(DurableWorkflow):
+    """One step under a step-level quota (limit 1 on ``input["key"]``) that logs its
+    start and end, holding its slot until ``release`` exists (or dying, see ``hold``)."""
+
+    name = "test.step_slot"
+
+    def run(self, ctx: WorkflowContext, input: dict[str, Any]) -> dict[str, Any]:
+        quota = Concurrency(key=input["key"], limit=1)
+        args = (input["log"], input["name"], input["release"], input.get("die", False))
+        return {"held": ctx.step("hold", hold, *args, concurrency=quota)}
+
+
+def gauged(pause: float) -> str:
+    """A step body that counts itself in the table ``step_gauge`` while it runs
+    (see tests/concurrency/test_step_quota_race.py): each UPDATE commits on its own
+    and the row's lock orders them, so ``hwm`` is the most bodies inside at once."""
+    import time
+
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE step_gauge SET cur = cur + 1, hwm = GREATEST(hwm, cur + 1), entries = entries + 1")
+    time.sleep(pause)
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE step_gauge SET cur = cur - 1")
+    return "done"
+
+
+class StepRaceWorkflow(DurableWorkflow):
+    """One gauged step under a step-level quota; with ``reject`` a full key's refusal is caught."""
+
+    name = "test.step_race"
+
+    def run(self, ctx: WorkflowContext, input: dict[str, Any]) -> str:
+        from django.db import connection
+
+        with connection.cursor() as cursor:  # not journaled on purpose: counts every execution of the body
+            cursor.execute("UPDATE step_gauge SET executions = executions + 1")
+        strategy = {"strategy": Strategy.REJECT} if input.get("reject") else {}
+        quota = Concurrency(key=input["key"], limit=input["limit"], **strategy)
+        try:
+            return ctx.step("call", gauged, input["pause"], concurrency=quota)
+        except ConcurrencyLimitError:
+            return "refused"

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from django.utils import timezone
 
-from durable import exceptions, signals
-from durable.status import TERMINAL_STATUSES, RunStatus
-from durable.stores.base import RunRecord, StepEntry
+from durable import concurrency, exceptions, signals
+from durable.concurrency import Concurrency, Quota, Strategy
+from durable.status import DEFAULT_CONCURRENCY_STATUSES, TERMINAL_STATUSES, RunStatus
+from durable.stores.base import SLOT_WAIT_PREFIX, RunRecord, StepEntry
 from durable.util import check_json, describe_error
 
 if TYPE_CHECKING:
@@ -85,6 +88,7 @@ class WorkflowContext:
         *args: Any,
         retries: int = 0,
         backoff: Backoff = 1.0,
+        concurrency: Concurrency | None = None,
         **kwargs: Any,
     ) -> Any:
         """Run ``fn(*args, **kwargs)`` once for this run and journal its JSON result.
@@ -99,16 +103,44 @@ class WorkflowContext:
         JSON values, else a ``StepFailedError`` that is also an instance of that
         class (so ``except ThatClass`` catches it the same way), else a plain
         ``StepFailedError``.
+
+        ``concurrency``: a step-level quota, at most ``limit`` steps of ``key``
+        running their body at once across every run and worker. A step that finds
+        the key full parks the run (no worker held) until a slot is handed to it,
+        oldest first; with ``strategy=Strategy.REJECT`` it raises
+        ``ConcurrencyLimitError`` instead, journaled (a replay raises it again).
+        The slot is held through the step's retries and given back when its
+        result is journaled. A key function or expression reads the run's input.
         """
         if not isinstance(retries, int) or retries < 0:
             raise ValueError(f"retries must be a non-negative integer, got {retries!r}")
+        if concurrency is not None:
+            _check_step_quota(concurrency, name)
         position, recorded = self._next(name)
         if recorded is not None:
             if recorded.outcome == "completed":
                 return recorded.output
             raise _recorded_failure(name, recorded.error)
+        quota = None if concurrency is None else _resolve_step_quota(concurrency, self.input)
+        if quota is None:
+            self._ensure_running()
+            return self._run_step(position, name, fn, args, kwargs, retries, backoff)
+        self._take_slot(position, name, quota)
+        try:
+            return self._run_step(position, name, fn, args, kwargs, retries, backoff)
+        finally:
+            self._give_slot(position, quota.key)
 
-        self._ensure_running()
+    def _run_step(
+        self,
+        position: int,
+        name: str,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        retries: int,
+        backoff: Backoff,
+    ) -> Any:
         started = timezone.now()
         attempt = 0
         while True:
@@ -140,6 +172,55 @@ class WorkflowContext:
             if signals.step_finished.has_listeners(self.engine):
                 self._step_finished(entry)
             return output
+
+    # -- step-level quotas -------------------------------------------------------------------
+    def _take_slot(self, position: int, name: str, quota: Quota) -> None:
+        """Take a slot of the step's quota (the store checks the lease under the key's
+        lock), or park the run for one, or raise the journaled refusal (``REJECT``)."""
+        self._check_lease()
+        self._claimed = False
+        queue = quota.strategy is not Strategy.REJECT
+        with _store_call():
+            answer = self.engine.store.acquire_slot(
+                self.run_id, self._lease, position, key=quota.key, limit=quota.limit, queue=queue
+            )
+        if answer.woken:
+            self.engine.executor.slots_handed([(quota.key, run_id) for run_id in answer.woken])
+        if answer.outcome == "held":
+            return
+        if answer.outcome == "waiting":
+            raise exceptions.Suspend(SLOT_WAIT_PREFIX + quota.key, parked=True)
+        if answer.outcome != "full":
+            raise exceptions.RunCancelled(self.run_id)
+        fields: dict[str, Any] = {
+            "workflow": self.run.workflow,
+            "key": quota.key,
+            "limit": answer.limit,
+            "active": answer.active,
+            "hint": f"Step {name!r} was refused: {answer.active} steps of this key hold its {answer.limit} slots.",
+        }
+        refusal = exceptions.ConcurrencyLimitError(**fields)
+        error = {"type": _REFUSAL_TYPE, "message": str(refusal), "quota": fields}
+        entry = StepEntry(position, name, "failed", error=error)
+        self._record(entry)
+        if signals.step_finished.has_listeners(self.engine):
+            self._step_finished(entry)
+        raise refusal
+
+    def _give_slot(self, position: int, key: str) -> None:
+        """The step ended (journaled, or stopped): give its slot back and hand it on.
+        Best effort: a slot whose step is journaled or whose run ended counts no more,
+        and the sweeper hands it on."""
+        store = self.engine.store
+        try:
+            woken = store.release_slot(self.run_id, position, key=key, lease=self._lease)
+        except Exception:
+            logger.warning("Run %s could not hand on its slot of %s; the sweeper does.", self.run_id, key, exc_info=True)
+            with contextlib.suppress(Exception):  # drop a connection the error left unusable
+                store.recover()
+            return
+        if woken:
+            self.engine.executor.slots_handed([(key, run_id) for run_id in woken])
 
     def _step_finished(self, entry: StepEntry) -> None:
         """Send ``step_finished`` for the step just journaled, on commit."""
@@ -383,12 +464,49 @@ def _store_call() -> Iterator[None]:
         raise exceptions.StoreUnavailable(describe_error(exc)["message"]) from exc
 
 
+#: The journaled ``type`` of a step refused by its quota (``Strategy.REJECT``).
+_REFUSAL_TYPE = "durable.exceptions.ConcurrencyLimitError"
+
+
+def _check_step_quota(spec: Any, name: str) -> None:
+    """What a step-level quota may say: one ``Concurrency``, queueing (the default,
+    or ``GROUP_ROUND_ROBIN``) or ``REJECT``, without run-level options."""
+    if not isinstance(spec, Concurrency):
+        raise TypeError(f"ctx.step({name!r}, concurrency=...) takes one Concurrency, got {spec!r}.")
+    if spec.strategy_given and spec.strategy not in (Strategy.REJECT, Strategy.GROUP_ROUND_ROBIN):
+        raise exceptions.InvalidStartError(
+            f"Step {name!r}: a step's quota waits for a slot (the default) or, with Strategy.REJECT, "
+            f"raises ConcurrencyLimitError; {spec.strategy} applies to runs only."
+        )
+    if spec.max_queued is not None:
+        raise exceptions.InvalidStartError(f"Step {name!r}: max_queued applies to a run's quota only.")
+    if tuple(spec.count_statuses) != DEFAULT_CONCURRENCY_STATUSES:
+        raise exceptions.InvalidStartError(
+            f"Step {name!r}: count_statuses applies to a run's quota only (a step holds its slot while its body runs)."
+        )
+
+
+def _resolve_step_quota(spec: Concurrency, input: Any) -> Quota | None:
+    """The step's key and limit (a key function or expression reads the run's input);
+    None when the key is None (the step is unlimited). ``strategy``: REJECT when
+    asked for, else GROUP_ROUND_ROBIN (wait for a slot)."""
+    quotas = concurrency.resolve([spec], input)
+    if not quotas:
+        return None
+    reject = spec.strategy_given and spec.strategy is Strategy.REJECT
+    return replace(quotas[0], strategy=Strategy.REJECT if reject else Strategy.GROUP_ROUND_ROBIN)
+
+
 def _recorded_failure(name: str, error: dict[str, Any]) -> Exception:
     """What a replay raises for a step whose failure is journaled (see ``WorkflowContext.step``).
 
     No pickle and no import: the class is looked up only among modules this process
-    has loaded already, and must be an ``Exception``.
+    has loaded already, and must be an ``Exception``. A step refused by its quota
+    raises the same ``ConcurrencyLimitError`` again.
     """
+    quota = error.get("quota")
+    if error.get("type") == _REFUSAL_TYPE and isinstance(quota, dict):
+        return exceptions.ConcurrencyLimitError(**quota)
     message = f"Step {name!r} failed: {error.get('message', '')}"
     cls = _loaded_exception_class(str(error.get("type", "")))
     if cls is not None:

@@ -25,7 +25,7 @@ from durable.concurrency import Quota
 from durable.conf import settings
 from durable.runtime.context import WorkflowContext
 from durable.status import RunStatus
-from durable.stores.base import BaseStore, Finished, RunRecord, StepEntry, redispatch_cutoffs
+from durable.stores.base import SLOT_WAIT_PREFIX, BaseStore, Finished, RunRecord, StepEntry, redispatch_cutoffs
 from durable.util import check_json, describe_error
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ class Executor:
                     return
                 except exceptions.Suspend as suspend:
                     wake_at = suspend.wake_at
-                    if self.store.suspend(run_id, lease, waiting_for=suspend.waiting_for, wake_at=wake_at):
+                    if suspend.parked or self.store.suspend(run_id, lease, waiting_for=suspend.waiting_for, wake_at=wake_at):
                         self._after(record, functools.partial(self._suspended, wake_at=wake_at))
                         return
                     if lost.is_set() or not self._owns(run_id, lease):
@@ -201,7 +201,10 @@ class Executor:
         if not finished:
             return False
         held_keys = not isinstance(finished, Finished) or finished.held_keys
-        self._after(run, lambda run: self.ended(run, held_keys=held_keys))
+        # A step's slot is given back when the step ends (WorkflowContext.step); a run
+        # that a dead execution left holding one gives it back here.
+        slots = status == RunStatus.DEAD or run.attempt > 1
+        self._after(run, lambda run: self.ended(run, held_keys=held_keys, slots=slots))
         if signals.run_finished.has_listeners(self.engine):
             send_run_finished(self.engine, run, status, output=output, error=error)
         return True
@@ -215,15 +218,18 @@ class Executor:
         except Exception:
             logger.warning("Run %s: a follow-up of its state change failed; the sweeper covers it.", run.run_id, exc_info=True)
 
-    def ended(self, run: RunRecord, *, held_keys: bool = True) -> None:
+    def ended(self, run: RunRecord, *, held_keys: bool = True, slots: bool = True) -> None:
         """A run reached a terminal status: free its slots (unless the store said it
-        held no quota key), wake a parent waiting for it.
+        held no quota key) and its steps' slots (``slots``), wake a parent waiting for it.
 
-        Both happen after commit, outside any admission this end is part of (a
+        All happen after commit, outside any admission this end is part of (a
         CANCEL_IN_PROGRESS victim), so no keys are locked out of order.
         """
         if held_keys:
             self.released(run)
+        if slots:
+            run_id = run.run_id
+            self.store.on_commit(lambda: self.slots_handed(self.store.release_run_slots(run_id)))
         if run.parent_run_id:
             parent_id, waiting_for = run.parent_run_id, f"child:{run.run_id}"
             self.store.on_commit(lambda: self._wake_parent(parent_id, waiting_for))
@@ -242,6 +248,18 @@ class Executor:
         promoter = self.engine.in_namespace(run.namespace).promoter
         run_id = run.run_id
         self.store.on_commit(lambda: promoter.promote(run_id=run_id))
+
+    def slots_handed(self, woken: Sequence[tuple[str, str]]) -> None:
+        """Wake the runs parked for a step slot that was just handed to them
+        (``(key, run id)``); a fast path, the sweeper wakes them too."""
+        for key, run_id in woken:
+            try:
+                run = self.store.get_run(run_id)
+                if run is not None:
+                    self.resume(run, waiting_for=SLOT_WAIT_PREFIX + key)
+            except Exception:
+                self._recover()
+                logger.warning("Run %s was handed a slot of %s but not woken; the sweeper wakes it.", run_id, key, exc_info=True)
 
     def _suspended(self, run: RunRecord, wake_at: datetime | None) -> None:
         self.released(run)  # if "suspended" does not count for a key, its slot is free now
@@ -359,6 +377,8 @@ class Executor:
         ]
         if promoted:
             logger.warning("Sweep started %d queued runs whose keys had room.", len(promoted))
+        handed = self.store.hand_off_slots()
+        self.slots_handed(handed)
         blocked, unblocked = self.check_remote_queues()
         purged = self._apply_retention(now)
         return {
@@ -366,6 +386,7 @@ class Executor:
             "undelivered": [r.run_id for r in undelivered],
             "woken": woken,
             "promoted": promoted,
+            "slots": [run_id for _, run_id in handed],
             "blocked": blocked,
             "unblocked": unblocked,
             "purged": purged,

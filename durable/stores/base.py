@@ -34,6 +34,28 @@ class Finished:
         return True
 
 
+@dataclass(frozen=True)
+class SlotAnswer:
+    """What ``BaseStore.acquire_slot`` answers.
+
+    ``outcome``: ``"held"`` (the step runs its body now), ``"waiting"`` (the run
+    is parked ``suspended``, waiting for ``slot:<key>``), ``"full"`` (the key is
+    full and the step does not wait: nothing was written), ``"lost"`` (the run no
+    longer belongs to the lease). ``active``, ``limit``: the key's held slots
+    (counted for a new slot, a wait or a refusal; 0 when the step's own slot was
+    found again) and the limit in effect. ``woken``: runs handed a slot meanwhile, to wake.
+    """
+
+    outcome: str
+    active: int = 0
+    limit: int = 0
+    woken: tuple[str, ...] = ()
+
+
+#: What a run parked for a slot of ``key`` waits for (``RunRecord.waiting_for``).
+SLOT_WAIT_PREFIX = "slot:"
+
+
 class RunExists(Exception):
     """Raised by ``create_run`` (or when leaving ``admission``) for a run id taken already."""
 
@@ -317,6 +339,39 @@ class BaseStore:
     def keys_with_queued(self) -> dict[str, list[str]]:
         """The keys that have queued runs, by the namespace of those runs."""
         raise NotImplementedError
+
+    # -- step-level quotas ------------------------------------------------------
+    def acquire_slot(self, run_id: str, lease: str, position: int, *, key: str, limit: int, queue: bool) -> SlotAnswer:
+        """Under the lock of ``key``'s row: take a slot for the step at ``position``
+        of a run running under ``lease``, or (``queue``) park the run ``suspended``
+        behind the key's waiters, in one transaction.
+
+        The step's own row is found again on a replay: held with no lease (handed
+        to it) or its lease, it is the step's; held under another lease, a dead
+        execution's, it is freed (handed on) and the step asks again behind the
+        waiters. Free slots go to the waiters first, oldest first: a step is given
+        one only when none waits. The limit in effect is the key's override when
+        an operator set one. A held slot counts while its step's result is not
+        journaled and its run is active."""
+        raise NotImplementedError(f"{type(self).__name__} has no step-level quotas.")
+
+    def release_slot(self, run_id: str, position: int, *, key: str, lease: str) -> list[str]:
+        """The step at ``position`` ended (journaled, or its run stopped): delete its
+        slot of ``key`` if ``lease`` holds it and hand the key's free slots to its waiters, under
+        the key's lock; the runs handed a slot, to wake (``SLOT_WAIT_PREFIX`` + key)."""
+        raise NotImplementedError(f"{type(self).__name__} has no step-level quotas.")
+
+    def release_run_slots(self, run_id: str) -> list[tuple[str, str]]:
+        """A run ended (cancelled): delete its slot rows and hand their keys' free
+        slots on; ``(key, run id)`` of the runs handed one. Default: none held."""
+        return []
+
+    def hand_off_slots(self) -> list[tuple[str, str]]:
+        """For the sweeper: hand the free slots of every key with waiters on (a
+        release lost in a crash); ``(key, run id)`` of the runs handed one, and of
+        runs still parked although a slot was handed to them (a lost wake-up).
+        Default: none."""
+        return []
 
     # -- recovery ------------------------------------------------------------
     def orphaned_runs(self, heartbeat_before: datetime, dispatched_before: Sequence[datetime] = ()) -> list[RunRecord]:

@@ -21,6 +21,7 @@ from django.utils import timezone
 from durable import conf, exceptions
 from durable.concurrency import TAG_PREFIX, Quota, Strategy, replaced_error
 from durable.status import TERMINAL_STATUSES, RunStatus
+from durable.stores import slots
 from durable.stores.base import (
     DURATION_EVERY,
     BaseStore,
@@ -28,6 +29,7 @@ from durable.stores.base import (
     LimitChangeRecord,
     RunExists,
     RunRecord,
+    SlotAnswer,
     StepEntry,
     add_duration,
     estimate,
@@ -789,6 +791,19 @@ class DjangoStore(BaseStore):
         for namespace, tag in sorted(rows):
             found.setdefault(namespace, []).append(tag[len(TAG_PREFIX) :])
         return found
+
+    # -- step-level quotas (durable.stores.slots) ----------------------------------
+    def acquire_slot(self, run_id: str, lease: str, position: int, *, key: str, limit: int, queue: bool) -> SlotAnswer:
+        return slots.acquire(self, run_id, lease, position, key=key, limit=limit, queue=queue)
+
+    def release_slot(self, run_id: str, position: int, *, key: str, lease: str) -> list[str]:
+        return slots.release(self, run_id, position, key=key, lease=lease)
+
+    def release_run_slots(self, run_id: str) -> list[tuple[str, str]]:
+        return slots.release_run(self, run_id)
+
+    def hand_off_slots(self) -> list[tuple[str, str]]:
+        return slots.hand_off_all(self)
 
     # -- recovery ------------------------------------------------------------
     def orphaned_runs(self, heartbeat_before: datetime, dispatched_before: Sequence[datetime] = ()) -> list[RunRecord]:

@@ -10,7 +10,7 @@ import copy
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -20,16 +20,30 @@ from durable.concurrency import TAG_PREFIX, Quota
 from durable.status import TERMINAL_STATUSES, RunStatus
 from durable.stores.base import (
     DURATION_EVERY,
+    SLOT_WAIT_PREFIX,
     BaseStore,
     Finished,
     LimitChangeRecord,
     RunExists,
     RunRecord,
+    SlotAnswer,
     StepEntry,
     add_duration,
     estimate,
     group_keys,
 )
+
+
+@dataclass
+class _Slot:
+    """A step's slot of a step-level quota (``durable.models.StepSlot``)."""
+
+    key: str
+    run_id: str
+    position: int
+    status: str  # "held" | "waiting"
+    limit: int
+    lease: str = ""
 
 
 class InMemoryStore(BaseStore):
@@ -49,6 +63,8 @@ class InMemoryStore(BaseStore):
         self.limit_changes: list[LimitChangeRecord] = []
         self._durations: dict[str, list[float]] = {}
         self._durations_at: dict[str, datetime] = {}
+        #: (run id, position) -> its step slot, in arrival order (dicts keep insertion order).
+        self._slots: dict[tuple[str, int], _Slot] = {}
 
     # -- reads -------------------------------------------------------------
     def get_run(self, run_id: str) -> RunRecord | None:
@@ -389,6 +405,96 @@ class InMemoryStore(BaseStore):
         for namespace, key in sorted(pairs):
             found.setdefault(namespace, []).append(key)
         return found
+
+    # -- step-level quotas ------------------------------------------------------
+    def _held(self, key: str) -> int:
+        def counts(slot: _Slot) -> bool:
+            run = self._runs.get(slot.run_id)
+            step = self._steps.get(slot.run_id, {}).get(slot.position)
+            journaled = step is not None and step.outcome in ("completed", "failed")
+            return run is not None and run.status not in TERMINAL_STATUSES and not journaled
+
+        return sum(1 for s in self._slots.values() if s.key == key and s.status == "held" and counts(s))
+
+    def _hand_off(self, key: str) -> list[str]:
+        woken: list[str] = []
+        override = self._overrides.get(key)
+        for ident, slot in list(self._slots.items()):
+            if slot.key != key or slot.status != "waiting":
+                continue
+            run = self._runs.get(slot.run_id)
+            if run is None or run.status in TERMINAL_STATUSES:
+                del self._slots[ident]
+                continue
+            if self._held(key) >= (slot.limit if override is None else override):
+                break
+            slot.status, slot.lease = "held", ""
+            woken.append(slot.run_id)
+        return woken
+
+    def acquire_slot(self, run_id: str, lease: str, position: int, *, key: str, limit: int, queue: bool) -> SlotAnswer:
+        with self._lock:
+            in_effect = self._overrides.get(key, limit)
+            run = self._runs.get(run_id)
+            if run is None or not self._owned(lease)(run):
+                return SlotAnswer("lost")
+            mine = self._slots.get((run_id, position))
+            if mine is not None:
+                if mine.key == key and mine.status == "held" and mine.lease in ("", lease):
+                    mine.lease = lease
+                    return SlotAnswer("held", limit=in_effect)
+                del self._slots[(run_id, position)]  # a dead execution's (taken over), or woken otherwise
+            woken = self._hand_off(key)
+            active = self._held(key)
+            waiting = any(s.key == key and s.status == "waiting" for s in self._slots.values())
+            if in_effect > 0 and active < in_effect and not waiting:
+                self._slots[(run_id, position)] = _Slot(key, run_id, position, "held", limit, lease)
+                return SlotAnswer("held", active + 1, in_effect, tuple(woken))
+            if not queue or in_effect <= 0:
+                return SlotAnswer("full", active, in_effect, tuple(woken))
+            self._slots[(run_id, position)] = _Slot(key, run_id, position, "waiting", limit)
+            self._update(
+                run_id,
+                lambda r: True,
+                status=RunStatus.SUSPENDED,
+                waiting_for=SLOT_WAIT_PREFIX + key,
+                wake_at=None,
+                lease="",
+                attempt=0,
+            )
+            return SlotAnswer("waiting", active, in_effect, tuple(woken))
+
+    def release_slot(self, run_id: str, position: int, *, key: str, lease: str) -> list[str]:
+        with self._lock:
+            mine = self._slots.get((run_id, position))
+            if mine is None or mine.key != key or mine.status != "held" or mine.lease != lease:
+                return []
+            del self._slots[(run_id, position)]
+            return self._hand_off(mine.key)
+
+    def release_run_slots(self, run_id: str) -> list[tuple[str, str]]:
+        with self._lock:
+            keys = sorted({s.key for (r, _), s in self._slots.items() if r == run_id})
+            for ident in [i for i in self._slots if i[0] == run_id]:
+                del self._slots[ident]
+            return [(key, woken) for key in keys for woken in self._hand_off(key)]
+
+    def hand_off_slots(self) -> list[tuple[str, str]]:
+        with self._lock:
+            for ident, slot in list(self._slots.items()):  # rows that no longer count
+                run = self._runs.get(slot.run_id)
+                step = self._steps.get(slot.run_id, {}).get(slot.position)
+                ended = run is None or run.status in TERMINAL_STATUSES
+                if slot.status == "held" and (ended or (step is not None and step.outcome != "waiting")):
+                    del self._slots[ident]
+            keys = sorted({s.key for s in self._slots.values() if s.status == "waiting"})
+            woken = [(key, run_id) for key in keys for run_id in self._hand_off(key)]
+            for slot in self._slots.values():
+                run = self._runs.get(slot.run_id)
+                parked = run is not None and run.status == RunStatus.SUSPENDED and run.waiting_for == SLOT_WAIT_PREFIX + slot.key
+                if slot.status == "held" and parked and (slot.key, slot.run_id) not in woken:
+                    woken.append((slot.key, slot.run_id))
+            return woken
 
     # -- recovery ------------------------------------------------------------
     def orphaned_runs(self, heartbeat_before: datetime, dispatched_before: Sequence[datetime] = ()) -> list[RunRecord]:

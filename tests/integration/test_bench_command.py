@@ -129,6 +129,22 @@ def test_hand_off_section_runs_a_celery_worker_and_prints_the_latencies() -> Non
     assert databases_left(scratch) == []
 
 
+@pytest.mark.postgres
+@pytest.mark.worker
+def test_step_hand_off_section_prints_the_step_and_run_hand_offs() -> None:
+    if not os.environ.get("CELERY_BROKER_URL", "").startswith("redis://"):
+        pytest.skip("section (i) runs a Celery worker on Redis: set CELERY_BROKER_URL=redis://...")
+    scratch = f"durable_bench_steps_{os.getpid()}"
+    lines = bench(scratch, "--only", "i", "--handoffs", "6")
+
+    assert row(lines, "i", "step hand-off latency p50 / p99", r"[\d.]+ ms / [\d.]+ ms")
+    assert row(lines, "i", "run hand-off latency p50 / p99, as (d)", r"[\d.]+ ms / [\d.]+ ms")
+    assert row(lines, "i", "  steps of the key overlapping", "0")  # limit 1 held, not speed
+    [target] = [line for line in targets(lines) if "(i)" in line]
+    assert target.split()[0] == "INFO" and re.search(r"measured \d+\.\d\dx", target)
+    assert databases_left(scratch) == []
+
+
 def redis_broker() -> str:
     broker = os.environ.get("CELERY_BROKER_URL", "")
     if not broker.startswith("redis://"):
