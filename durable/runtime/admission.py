@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from durable import conf, exceptions
 from durable.concurrency import TAG_PREFIX, Quota, Strategy
+from durable.runtime import bursts
 from durable.status import ACTIVE_STATUSES, TERMINAL_STATUSES, RunStatus
 from durable.stores.base import BaseStore, RunRecord
 
@@ -52,6 +53,8 @@ class Decision:
     status: str = RunStatus.PENDING
     victims: list[RunRecord] = field(default_factory=list)
     reason: str = ""
+    #: The tags of the pools the run borrows from, beyond its keys' (``bursts.decide``).
+    borrowed: list[str] = field(default_factory=list)
 
 
 def decide(scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: Sequence[RunRecord] = ()) -> Decision:
@@ -70,7 +73,11 @@ def decide(scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: S
     that ancestor could wait for it forever.
     """
     full: list[tuple[Quota, int, int]] = []
+    borrowed: list[str] = []
     for quota in quotas:
+        if quota.burst is not None:  # REJECT, as every key of such a start (concurrency.resolve)
+            borrowed.extend(t for t in bursts.decide(scope, workflow, quota) if t not in borrowed)
+            continue
         active = scope.count(quota.tag, quota.count_statuses)
         queued = 0
         if quota.strategy is Strategy.GROUP_ROUND_ROBIN:
@@ -97,7 +104,7 @@ def decide(scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: S
                 retry_after=conf.retry_after_seconds(),
             )
     if not full:
-        return Decision()
+        return Decision(borrowed=borrowed)
     strategies = {quota.strategy for quota, _, _ in full}
     if Strategy.CANCEL_NEWEST in strategies:
         keys = ", ".join(q.key for q, _, _ in full if q.strategy is Strategy.CANCEL_NEWEST)
