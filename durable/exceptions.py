@@ -33,9 +33,9 @@ class ConcurrencyLimitError(DurableError):
     #: Seconds to wait before retrying (estimated per key, see ``durable.conf.retry_after_seconds``);
     #: None when the raiser gave none (the HTTP API then sends ``RETRY_AFTER``).
     retry_after: int | None
-    #: What refused: "limit" (the key's limit: its guaranteed part when it has a
-    #: burst), "pool" (the key's guaranteed slots are taken and its burst pool is
-    #: full) or "up_to" (the key has ``Burst.up_to`` runs in flight, guaranteed and borrowed).
+    #: What refused: "limit" (a key without a burst: its limit), or for a key with a
+    #: burst "pool" (its guaranteed slots are taken and its pool is full) or "up_to"
+    #: (it has ``Burst.up_to`` runs in flight, guaranteed and borrowed, or its limit if higher).
     source: str
     #: With a burst (else None): the pool, its limit in effect and runs in flight,
     #: ``up_to``, and how many of the key's ``active`` runs are borrowed.
@@ -93,8 +93,8 @@ class ConcurrencyLimitError(DurableError):
 
     @property
     def burst_fields(self) -> dict[str, object]:
-        """``source``, and with a burst the pool figures: what a 429 body adds."""
-        return {"source": self.source, **{name: self.fields[name] for name in BURST_FIELDS if name in self.fields}}
+        """What a 429 body adds for a key with a burst: ``source`` and the pool's figures (none for another key)."""
+        return {name: self.fields[name] for name in BURST_FIELDS if name in self.fields}
 
 
 #: What a ``ConcurrencyLimitError`` of a key with a burst carries besides the usual fields.

@@ -112,7 +112,7 @@ def decide(scope: Counter, workflow: str, quota: Quota) -> list[str]:
         limit=quota.limit,
         active=total,
         retry_after=scope.retry_after(quota if at_ceiling else pool),
-        source=("up_to" if ceiling > quota.limit else "limit") if at_ceiling else "pool",
+        source="up_to" if at_ceiling else "pool",
         pool=burst.pool,
         pool_limit=burst.pool_limit,
         pool_active=pool_active,

@@ -107,11 +107,11 @@ def test_a_key_without_a_guarantee_only_borrows(engine: Engine) -> None:
     assert refusal(engine).source == "up_to"
 
 
-def test_up_to_at_the_limit_refuses_as_the_limit(engine: Engine) -> None:
+def test_up_to_at_the_limit_borrows_nothing(engine: Engine) -> None:
     engine.register("w", "1", lambda ctx, input: None, concurrency=bursting(limit=2, up_to=2))
     start(engine), start(engine)
     exc = refusal(engine)
-    assert (exc.source, exc.limit, exc.active, exc.pool) == ("limit", 2, 2, "global")
+    assert (exc.source, exc.limit, exc.active, exc.pool, exc.borrowed) == ("up_to", 2, 2, "global", 0)
 
 
 def test_the_pool_is_a_key_a_quota_may_name(engine: Engine) -> None:

@@ -15,7 +15,7 @@
 -- durable_end), and oldest_age, the seconds its oldest run in flight has held
 -- its slot) or 'exists' (the run id is taken). burst: NULL, except for a start
 -- with a burst: on 'created' {"borrowed": [pools the run borrows from]}, on a
--- refusal by a key with a burst {"source": "limit" | "pool" | "up_to", "pool",
+-- refusal by a key with a burst {"source": "pool" | "up_to", "pool",
 -- "pool_limit", "pool_active", "up_to", "borrowed"} (the estimate is then the
 -- pool's when the pool refused).
 --
@@ -299,7 +299,7 @@ $$;
 -- (q: its entry of p_quotas) that is at its ceiling or borrows: NULL when it is
 -- admitted (it borrows, and the pool has room), else the refusal's figures
 -- {"source", "pool", "pool_limit", "pool_active", "up_to", "borrowed"}: "up_to"
--- at up_to runs ("limit" if its limit is not below up_to), "pool" when the pool is full.
+-- at up_to runs (or at its limit, if higher), "pool" when the pool is full.
 CREATE OR REPLACE FUNCTION durable_burst_refusal(
     q jsonb,
     p_limit integer,
@@ -313,7 +313,7 @@ LANGUAGE sql IMMUTABLE AS $$
         WHEN p_active >= GREATEST((q->'burst'->>'up_to')::integer, p_limit) OR p_pool_active >= p_pool_limit
         THEN jsonb_build_object(
             'source', CASE WHEN p_active < GREATEST((q->'burst'->>'up_to')::integer, p_limit) THEN 'pool'
-                           WHEN (q->'burst'->>'up_to')::integer > p_limit THEN 'up_to' ELSE 'limit' END,
+                           ELSE 'up_to' END,
             'pool', q->'burst'->>'pool', 'pool_limit', p_pool_limit, 'pool_active', p_pool_active,
             'up_to', (q->'burst'->>'up_to')::integer, 'borrowed', p_borrowed)
     END;
