@@ -74,7 +74,8 @@ def complete(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     stop = workdir / "stop"
     executed = 0
     while executed < args.releases and not stop.exists():
-        candidates = list(RunTag.objects.filter(tag__in=tags, status=RunStatus.PENDING).values_list("run__run_id", flat=True)[:32])
+        pending = RunTag.objects.filter(tag__in=tags, status=RunStatus.PENDING)
+        candidates = list(pending.values_list("run__run_id", flat=True)[:32])
         if not candidates:
             time.sleep(0.001)
             continue

@@ -21,7 +21,7 @@ import json
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +108,16 @@ def in_flight(tag: str) -> int:
     return RunTag.objects.filter(tag=tag, status__in=DEFAULT_CONCURRENCY_STATUSES).count()
 
 
-def race(tmp_path: Path, *, keys: list[str], pool: str, pool_limit: int, starts_each: int, completers: int = 0, extra=()):  # type: ignore[no-untyped-def]
+def race(
+    tmp_path: Path,
+    *,
+    keys: list[str],
+    pool: str,
+    pool_limit: int,
+    starts_each: int,
+    completers: int = 0,
+    extra: Sequence[str] = (),
+) -> dict[str, Any]:
     """STARTERS starter processes (and ``completers``), released together by the ``go``
     file; what they did, summed. Every process must exit 0."""
     db_name = settings.DATABASES["default"]["NAME"]
