@@ -227,3 +227,17 @@ def test_a_bad_burst_is_refused_at_start_creating_nothing(engine: Engine, concur
     with pytest.raises(InvalidStartError, match=message):
         engine.start("w", {}, concurrency=concurrency)
     assert engine.list_runs() == []
+
+
+@pytest.mark.parametrize(
+    ("pools", "bad"),
+    [(None, 0), ({"global": 50, "eu": 0}, 0), (["global"], 1), ({"global": "50"}, 1), ({"global": True, "": 3}, 2)],
+)
+def test_the_pools_setting_is_checked(pools: Any, bad: int) -> None:
+    from django.test import override_settings
+
+    from durable import checks
+
+    with override_settings(DURABLE={"POOLS": pools}):
+        errors = [m for m in checks.check_settings() if m.id == "durable.E010"]
+    assert len(errors) == bad

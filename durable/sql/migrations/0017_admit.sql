@@ -98,7 +98,7 @@ DECLARE
     v_borrows jsonb := '[]'::jsonb;
     b jsonb;
 BEGIN
-    v_bursting := EXISTS (SELECT 1 FROM jsonb_array_elements(p_quotas) AS e WHERE e.value ? 'burst');
+    v_bursting := jsonb_path_exists(p_quotas, '$[*].burst');
     FOR q IN SELECT value FROM jsonb_array_elements(p_quotas) LOOP
         v_key := q->>'key';
         v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
@@ -173,8 +173,20 @@ BEGIN
                   INTO v_active, v_borrowed FROM durable_runtag t
                  WHERE t.tag IN ('concurrency:' || v_key, 'borrowed:' || v_key) AND t.status = ANY (v_statuses)
                    AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
-                IF v_active >= GREATEST((q->'burst'->>'up_to')::integer, v_limit) OR v_active - v_borrowed >= v_limit THEN
-                    -- Up_to, or it borrows: decided once every key is locked.
+                IF v_active >= GREATEST((q->'burst'->>'up_to')::integer, v_limit) THEN
+                    -- At its ceiling: refused without the pool's lock (its count is for the answer).
+                    v_pool := q->'burst'->>'pool';
+                    SELECT count(*), COALESCE((SELECT l.limit_override FROM durable_concurrencylock l WHERE l.key = v_pool),
+                                              (q->>'pool_limit')::integer)
+                      INTO v_pool_active, v_pool_limit FROM durable_runtag t
+                     WHERE t.tag = 'concurrency:' || v_pool AND t.status = ANY (v_statuses)
+                       AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
+                    v_burst := durable_burst_refusal(q, v_limit, v_active, v_borrowed, v_pool_limit, v_pool_active);
+                    v_full := true;
+                    EXIT;
+                END IF;
+                IF v_active - v_borrowed >= v_limit THEN
+                    -- It borrows: the pool is locked and counted once every key is locked.
                     v_borrows := v_borrows || jsonb_build_array(jsonb_build_object(
                         'q', q, 'limit', v_limit, 'active', v_active, 'borrowed', v_borrowed));
                 END IF;
