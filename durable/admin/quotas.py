@@ -297,7 +297,7 @@ class ConcurrencyQuotaAdmin(admin.ModelAdmin):
                 "?" if info.pool_limit is None else info.pool_limit,
             )
         if info.is_pool:
-            return format_html('<span class="durable-burst" title="DURABLE[\'POOLS\']">a pool</span>')
+            return format_html('<span class="durable-burst" title="{}">a pool</span>', "declared in DURABLE['POOLS']")
         return self.get_empty_value_display()
 
     @admin.display(description="active")
