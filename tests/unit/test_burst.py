@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from durable import Burst, Concurrency, ConcurrencyLimitError, Engine, RunStatus, Strategy
+from durable import Burst, Concurrency, ConcurrencyLimitError, DjangoStore, Engine, RunStatus, Strategy
 from durable.exceptions import ChildWorkflowError, InvalidStartError
 from durable.status import DEFAULT_CONCURRENCY_STATUSES
 
@@ -241,3 +241,22 @@ def test_the_pools_setting_is_checked(pools: Any, bad: int) -> None:
     with override_settings(DURABLE={"POOLS": pools}):
         errors = [m for m in checks.check_settings() if m.id == "durable.E010"]
     assert len(errors) == bad
+
+
+def test_the_quotas_command_shows_the_burst() -> None:
+    import io
+    import json
+
+    from django.core.management import call_command
+
+    from durable.runtime import Registry
+
+    engine = Engine(DjangoStore(), dispatch=lambda engine, run: None, registry=Registry())  # the command reads the database
+    engine.register("w", "1", lambda ctx, input: None, concurrency=bursting(limit=1, up_to=4))
+    start(engine), start(engine)
+    out = io.StringIO()
+    call_command("durable", "quotas", "--json", stdout=out)
+    rows = {row["key"]: row for row in json.loads(out.getvalue())}
+    acme, pool = rows["tenant:a"], rows["global"]
+    assert (acme["guaranteed"], acme["borrowed"], acme["pool"], acme["pool_active"], acme["up_to"]) == (1, 1, "global", 1, 4)
+    assert (pool["is_pool"], pool["active"]) == (True, 1)
