@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from durable import tasks as _tasks
-from durable.concurrency import Concurrency, Strategy
+from durable.concurrency import Burst, Concurrency, Strategy
 from durable.exceptions import (
     ChildWorkflowError,
     ConcurrencyLimitError,
@@ -27,6 +27,7 @@ engine = Engine(dispatch=_dispatch.default())
 
 __all__ = [
     "DEFAULT_CONCURRENCY_STATUSES",
+    "Burst",
     "ChildWorkflowError",
     "Concurrency",
     "ConcurrencyLimitError",

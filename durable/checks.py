@@ -10,7 +10,7 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
-from durable import conf, retention
+from durable import concurrency, conf, retention
 
 
 @checks.register(checks.Tags.database, deploy=False)
@@ -75,6 +75,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                 id="durable.E004",
             )
         )
+    errors.extend(_check_pools())
     handler = getattr(django_settings, "REST_FRAMEWORK", {}).get("EXCEPTION_HANDLER")
     if handler is not None and "durable" not in str(handler):
         errors.append(
@@ -84,6 +85,29 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                 id="durable.I001",
             )
         )
+    return errors
+
+
+def _check_pools() -> list[checks.CheckMessage]:
+    """``DURABLE["POOLS"]``: ``{pool name: limit}`` (what ``Burst(pool=...)`` names)."""
+    pools = conf.settings.POOLS
+    if pools is None:
+        return []
+    hint = "Declare each pool with its limit, for example DURABLE['POOLS'] = {'global': 50}."
+    if not isinstance(pools, dict):
+        return [checks.Error(f"DURABLE['POOLS'] must be a dictionary; it is {pools!r}.", hint=hint, id="durable.E010")]
+    errors: list[checks.CheckMessage] = []
+    for name, limit in pools.items():
+        if not isinstance(name, str) or not name or len(name) > concurrency.MAX_KEY_LENGTH:
+            errors.append(checks.Error(f"DURABLE['POOLS'] has an invalid pool name {name!r}.", hint=hint, id="durable.E010"))
+        elif isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= concurrency.MAX_LIMIT:
+            errors.append(
+                checks.Error(
+                    f"The limit of pool {name!r} in DURABLE['POOLS'] must be a whole number, 0 or more; it is {limit!r}.",
+                    hint=hint,
+                    id="durable.E010",
+                )
+            )
     return errors
 
 

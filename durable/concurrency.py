@@ -19,7 +19,7 @@ from typing import Any
 import cel
 from asgiref.sync import async_to_sync, sync_to_async
 
-from durable import exceptions
+from durable import conf, exceptions
 from durable.status import ALL_STATUSES, DEFAULT_CONCURRENCY_STATUSES, RunStatus
 
 #: What ``count_statuses`` may name: ``queued`` never holds a slot.
@@ -28,6 +28,9 @@ COUNTABLE_STATUSES = ALL_STATUSES - {RunStatus.QUEUED}
 #: Longest key accepted; the tag ``concurrency:<key>`` must fit its column.
 MAX_KEY_LENGTH = 200
 TAG_PREFIX = "concurrency:"
+#: The tag of a run that borrowed a slot of its key's burst pool: ``borrowed:<key>``
+#: (the run also carries ``concurrency:<pool>``). See ``Burst``.
+BORROWED_PREFIX = "borrowed:"
 #: The range of a limit: what the database's integer columns hold (``limit <= 0``
 #: rejects every start).
 MIN_LIMIT, MAX_LIMIT = -(2**31), 2**31 - 1
@@ -67,6 +70,46 @@ def replaced_error(key: str, replaced_by: str) -> dict[str, str]:
 
 
 KeySpec = str | Callable[[Any], str | None] | None
+
+
+@dataclass(frozen=True)
+class Burst:
+    """Capacity a key may borrow beyond its ``limit``: from the shared ``pool``, up
+    to ``up_to`` runs of the key in flight in total, only while the pool has room.
+
+    ``pool`` names a pool declared in ``DURABLE["POOLS"]`` (``{"global": 50}``:
+    its limit). A run admitted within the key's ``limit`` is guaranteed and counts
+    against the key only; a run admitted beyond it is borrowed and counts against
+    the key and the pool (it carries the tags ``concurrency:<pool>`` and
+    ``borrowed:<key>``), until it finishes. See docs/explanation/burst.md.
+    """
+
+    pool: str
+    up_to: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pool, str):
+            raise exceptions.InvalidStartError(f"Burst(pool=...) must name a pool of DURABLE['POOLS'], got {self.pool!r}.")
+        _check_key(self.pool)
+        if isinstance(self.up_to, bool) or not isinstance(self.up_to, int) or not 1 <= self.up_to <= MAX_LIMIT:
+            raise exceptions.InvalidStartError(
+                f"Burst(up_to=...) must be a positive integer (the most runs of the key in flight, "
+                f"guaranteed and borrowed), got {self.up_to!r}."
+            )
+
+
+@dataclass(frozen=True)
+class PoolBurst:
+    """A resolved ``Burst``: the pool, ``up_to``, and the pool's limit (in effect,
+    once admission has read an operator's override under the pool's lock)."""
+
+    pool: str
+    up_to: int
+    pool_limit: int
+
+    @property
+    def pool_tag(self) -> str:
+        return TAG_PREFIX + self.pool
 
 
 class _DefaultStrategy(str):
@@ -109,6 +152,8 @@ class Concurrency:
     strategy: Strategy = _DEFAULT_STRATEGY
     expression: str | None = None
     max_queued: int | None = None
+    #: Borrowing beyond ``limit`` from a shared pool (``Strategy.REJECT`` only).
+    burst: Burst | None = None
     _program: Any = field(default=None, init=False, repr=False, compare=False)
     _limit_program: Any = field(default=None, init=False, repr=False, compare=False)
     _strategy_given: bool = field(default=True, init=False, repr=False, compare=False)
@@ -168,6 +213,8 @@ class Concurrency:
                 raise exceptions.InvalidStartError(
                     f"Concurrency(max_queued=...) must be a non-negative integer, got {self.max_queued!r}."
                 )
+        if self.burst is not None:
+            _check_burst(self)
 
     @property
     def strategy_given(self) -> bool:
@@ -195,10 +242,16 @@ class Quota:
     count_statuses: tuple[str, ...]
     strategy: Strategy = Strategy.REJECT
     max_queued: int | None = None
+    burst: PoolBurst | None = None
 
     @property
     def tag(self) -> str:
         return TAG_PREFIX + self.key
+
+    @property
+    def borrowed_tag(self) -> str:
+        """The tag of this key's runs that borrowed from its burst pool."""
+        return BORROWED_PREFIX + self.key
 
 
 ConcurrencySpec = Concurrency | Sequence[Concurrency] | None
@@ -236,14 +289,72 @@ def resolve(specs: Sequence[Concurrency], input: Any, *, limits: Limits | None =
         if key is None:
             continue
         limit = _resolve_limit(spec, key, input) if limit is None else limit
-        quota = Quota(key, limit, tuple(spec.count_statuses), Strategy(spec.strategy), spec.max_queued)
+        burst = None if spec.burst is None else PoolBurst(spec.burst.pool, spec.burst.up_to, pool_limit(spec.burst.pool))
+        quota = Quota(key, limit, tuple(spec.count_statuses), Strategy(spec.strategy), spec.max_queued, burst)
         previous = quotas.get(key)
         if previous is not None and previous.limit <= quota.limit:
             continue
         quotas[key] = quota
     # A stable order: every starter locks keys in the same order, so several keys
     # can never deadlock against each other.
-    return [quotas[k] for k in sorted(quotas)]
+    resolved = [quotas[k] for k in sorted(quotas)]
+    _check_pools(resolved)
+    return resolved
+
+
+def pool_limit(pool: str) -> int:
+    """The limit of ``pool`` declared in ``DURABLE["POOLS"]`` (``InvalidStartError`` if it is not)."""
+    pools = conf.settings.POOLS or {}
+    limit = pools.get(pool) if isinstance(pools, dict) else None
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise exceptions.InvalidStartError(
+            f"Burst(pool={pool!r}) names no pool: declare it with its limit in the settings, "
+            f"DURABLE = {{'POOLS': {{{pool!r}: 50}}}}."
+        )
+    _check_limit_range(limit, f"The limit of pool {pool!r}")
+    return limit
+
+
+def _check_burst(spec: Concurrency) -> None:
+    """What a ``Concurrency`` with ``burst`` must be (its pool's limit is read at start)."""
+    assert spec.burst is not None
+    if not isinstance(spec.burst, Burst):
+        raise exceptions.InvalidStartError(f"Concurrency(burst=...) must be a Burst, got {spec.burst!r}.")
+    if spec.strategy is not Strategy.REJECT:
+        raise exceptions.InvalidStartError(
+            f"Concurrency(burst=...) only applies to Strategy.REJECT, not {spec.strategy}: a start beyond "
+            "the key's limit borrows from the pool or is refused, it is never queued nor cancels runs."
+        )
+    if tuple(spec.count_statuses) != DEFAULT_CONCURRENCY_STATUSES:
+        raise exceptions.InvalidStartError(
+            "Concurrency(burst=...) counts the default statuses (DEFAULT_CONCURRENCY_STATUSES), as its pool "
+            f"does; got count_statuses={list(spec.count_statuses)!r}."
+        )
+    if isinstance(spec.limit, int) and spec.burst.up_to < spec.limit:
+        raise exceptions.InvalidStartError(
+            f"Burst(up_to={spec.burst.up_to}) is the most runs of the key in flight in all, guaranteed "
+            f"(limit={spec.limit}) and borrowed: it must be at least the limit."
+        )
+
+
+def _check_pools(quotas: Sequence[Quota]) -> None:
+    """A start that borrows takes no other strategy than REJECT (its other keys
+    included); a quota on a key that is a pool uses the pool's limit and statuses."""
+    if any(q.burst is not None for q in quotas) and any(q.strategy is not Strategy.REJECT for q in quotas):
+        raise exceptions.InvalidStartError(
+            "A start with a Concurrency(burst=...) takes Strategy.REJECT on every one of its keys: "
+            "a start that borrows from a pool is never queued nor cancels runs."
+        )
+    pools = conf.settings.POOLS or {}
+    for quota in quotas:
+        if isinstance(pools, dict) and quota.key in pools:
+            declared = pool_limit(quota.key)
+            if quota.limit != declared or quota.count_statuses != DEFAULT_CONCURRENCY_STATUSES or quota.burst is not None:
+                raise exceptions.InvalidStartError(
+                    f"The key {quota.key!r} is a pool (DURABLE['POOLS']): a quota on it takes the pool's "
+                    f"limit ({declared}), the default count_statuses and no burst of its own; "
+                    f"got limit={quota.limit}, count_statuses={list(quota.count_statuses)!r}."
+                )
 
 
 async def aresolve_limits(specs: Sequence[Concurrency], input: Any) -> dict[int, Any]:

@@ -72,6 +72,10 @@ class Defaults:
     #: None (keep every run), one duration for every finished status ("30d"), or
     #: a dictionary by status ({"completed": "7d", "failed": "90d"}). See ``durable.retention``.
     RETENTION: str | Mapping[str, str | None] | None = None
+    #: Shared pools that quotas may borrow from beyond their limit
+    #: (``Concurrency(burst=Burst(pool=..., up_to=...))``): ``{pool name: limit}``.
+    #: A pool is a concurrency key: at most ``limit`` runs in flight carry it.
+    POOLS: Mapping[str, int] | None = None
 
 
 class _Settings:

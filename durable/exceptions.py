@@ -33,20 +33,72 @@ class ConcurrencyLimitError(DurableError):
     #: Seconds to wait before retrying (estimated per key, see ``durable.conf.retry_after_seconds``);
     #: None when the raiser gave none (the HTTP API then sends ``RETRY_AFTER``).
     retry_after: int | None
+    #: What refused: "limit" (a key without a burst: its limit), or for a key with a
+    #: burst "pool" (its guaranteed slots are taken and its pool is full) or "up_to"
+    #: (it has ``Burst.up_to`` runs in flight, guaranteed and borrowed, or its limit if higher).
+    source: str
+    #: With a burst (else None): the pool, its limit in effect and runs in flight,
+    #: ``up_to``, and how many of the key's ``active`` runs are borrowed.
+    pool: str | None
+    pool_limit: int | None
+    pool_active: int | None
+    up_to: int | None
+    borrowed: int | None
 
     def __init__(
-        self, *, workflow: str, key: str, limit: int, active: int, hint: str = "", retry_after: int | None = None
+        self,
+        *,
+        workflow: str,
+        key: str,
+        limit: int,
+        active: int,
+        hint: str = "",
+        retry_after: int | None = None,
+        source: str = "limit",
+        pool: str | None = None,
+        pool_limit: int | None = None,
+        pool_active: int | None = None,
+        up_to: int | None = None,
+        borrowed: int | None = None,
     ) -> None:
+        if source == "pool":
+            message = (
+                f"Concurrency limit reached for key {key!r}: its {limit} guaranteed slots are taken and its burst "
+                f"pool {pool!r} is full ({pool_active} of {pool_limit} runs in flight) (workflow {workflow!r}). "
+            )
+        elif source == "up_to":
+            message = (
+                f"Concurrency limit reached for key {key!r}: {active} runs in flight, its burst ceiling "
+                f"(up_to={up_to}; {limit} guaranteed, {borrowed} borrowed from pool {pool!r}) (workflow {workflow!r}). "
+            )
+        else:
+            message = f"Concurrency limit reached for key {key!r}: {active} of {limit} runs in flight (workflow {workflow!r}). "
+        burst = {}
+        if pool is not None:  # a burst's figures: journaled with the rest (a refused child replays the same)
+            burst = {"source": source, "pool": pool, "pool_limit": pool_limit, "pool_active": pool_active}
+            burst.update(up_to=up_to, borrowed=borrowed)
         super().__init__(
-            f"Concurrency limit reached for key {key!r}: {active} of {limit} runs in flight "
-            f"(workflow {workflow!r}). {hint or 'Retry when one of them has finished.'}",
+            message + (hint or "Retry when one of them has finished."),
             workflow=workflow,
             key=key,
             limit=limit,
             active=active,
+            **burst,
         )
         # Not one of ``fields``: set after the error is made (a refusal's estimate).
         self.retry_after = retry_after
+        self.source = source
+        self.pool, self.pool_limit, self.pool_active = pool, pool_limit, pool_active
+        self.up_to, self.borrowed = up_to, borrowed
+
+    @property
+    def burst_fields(self) -> dict[str, object]:
+        """What a 429 body adds for a key with a burst: ``source`` and the pool's figures (none for another key)."""
+        return {name: self.fields[name] for name in BURST_FIELDS if name in self.fields}
+
+
+#: What a ``ConcurrencyLimitError`` of a key with a burst carries besides the usual fields.
+BURST_FIELDS = ("source", "pool", "pool_limit", "pool_active", "up_to", "borrowed")
 
 
 #: The hint of a ``ConcurrencyLimitError`` on a lifetime cap that its finished runs fill.
@@ -81,6 +133,8 @@ class ConcurrencyQueueFullError(ConcurrencyLimitError):
         retry_after: int | None = None,
     ) -> None:
         self.retry_after = retry_after
+        self.source = "limit"
+        self.pool = self.pool_limit = self.pool_active = self.up_to = self.borrowed = None
         DurableError.__init__(
             self,
             f"The queue of concurrency key {key!r} is full: {queued} runs wait (max_queued={max_queued}) "

@@ -52,7 +52,8 @@ def error_parts(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]
 
     ``ConcurrencyLimitError`` (and ``ConcurrencyQueueFullError``) -> 429 with
     ``Retry-After`` and ``{"detail", "code", "workflow", "key", "limit", "active", "retry_after"}``
-    (plus ``queued`` and ``max_queued`` for a full queue); ``InvalidStartError``
+    (plus ``queued`` and ``max_queued`` for a full queue; ``source``, ``pool``,
+    ``pool_limit``, ``pool_active``, ``up_to`` and ``borrowed`` for a key with a burst); ``InvalidStartError``
     and ``InvalidScheduleError`` -> 400; ``UnknownWorkflowError``, ``RunNotFound``
     and ``ScheduleNotFound`` -> 404; ``RunTerminalError`` and ``RunIdTaken`` ->
     409, each with ``{"detail", "code"}``.
@@ -68,6 +69,8 @@ def error_parts(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]
         data.update(workflow=exc.workflow, key=exc.key, limit=exc.limit, active=exc.active)
         # ConcurrencyQueueFullError also says how long the key's queue is.
         data.update({name: exc.fields[name] for name in _QUEUE_FIELDS if name in exc.fields})
+        # What refused ("limit", or for a key with a burst "pool" / "up_to", with the pool's figures).
+        data.update(exc.burst_fields)
         seconds = retry_after(exc)
         data["retry_after"] = seconds
         headers["Retry-After"] = str(seconds)

@@ -132,6 +132,9 @@ class ConcurrencyLock(models.Model):
     #: most every ``durable.stores.base.DURATION_EVERY`` seconds per key, so the
     #: key's row is not rewritten by every finish of a busy key.
     durations_at = models.DateTimeField(null=True, blank=True)
+    #: The key's burst as the last start declared it, ``{"pool": ..., "up_to": ...}``
+    #: (``Concurrency(burst=Burst(...))``), or None: the admin and the quota API show it.
+    burst = models.JSONField(null=True, blank=True)
 
     class Meta:
         verbose_name = "concurrency quota"

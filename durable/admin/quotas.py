@@ -225,7 +225,7 @@ class ConcurrencyQuotaAdmin(admin.ModelAdmin):
     oldest counted run was created.
     """
 
-    list_display = ("key", USE, "queued", "oldest_queued", "oldest_in_flight", "counted_statuses", "runs")
+    list_display = ("key", USE, "borrowing", "queued", "oldest_queued", "oldest_in_flight", "counted_statuses", "runs")
     list_filter = (UseFilter, StrategyFilter)
     search_fields = ("key",)
     #: The database order of the idle keys; the list itself is fullest first (``_QuotaChangeList``).
@@ -237,6 +237,7 @@ class ConcurrencyQuotaAdmin(admin.ModelAdmin):
     fields = (
         "key",
         USE,
+        "borrowing",
         "limit_in_effect",
         "limit_changes",
         "active",
@@ -279,6 +280,30 @@ class ConcurrencyQuotaAdmin(admin.ModelAdmin):
             bar,
             "unknown" if lock.limit is None else lock.limit,
         )
+
+    @admin.display(description="burst (guaranteed · borrowed · pool)")
+    def borrowing(self, lock: models.ConcurrencyLock) -> SafeString | str:
+        """A key with a burst: its guaranteed runs over its limit, its borrowed runs over
+        what it may borrow (``up_to - limit``), and its pool's use; a pool says so."""
+        info = _info(lock)
+        if info is None:
+            return self.get_empty_value_display()
+        if info.pool is not None:
+            limit = info.limit or 0
+            return format_html(
+                '<span class="durable-burst">guaranteed {} / {} · borrowed {} / {} · pool <a href="{}">{}</a> {} / {}</span>',
+                info.guaranteed,
+                limit,
+                info.borrowed,
+                max(0, (info.up_to or 0) - max(limit, 0)),
+                runs_with_tag_url(TAG_PREFIX + info.pool),
+                info.pool,
+                "?" if info.pool_active is None else info.pool_active,
+                "?" if info.pool_limit is None else info.pool_limit,
+            )
+        if info.is_pool:
+            return format_html('<span class="durable-burst" title="{}">a pool</span>', "declared in DURABLE['POOLS']")
+        return self.get_empty_value_display()
 
     @admin.display(description="active")
     def active(self, lock: models.ConcurrencyLock) -> int:

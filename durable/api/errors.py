@@ -37,7 +37,8 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
 
     ``ConcurrencyLimitError`` (and ``ConcurrencyQueueFullError``) -> 429 with
     ``Retry-After`` and ``{"detail", "code", "workflow", "key", "limit", "active", "retry_after"}``
-    (plus ``queued`` and ``max_queued`` for a full queue);
+    (plus ``queued`` and ``max_queued`` for a full queue; ``source``, ``pool``,
+    ``pool_limit``, ``pool_active``, ``up_to`` and ``borrowed`` for a key with a burst);
     ``InvalidStartError`` and ``InvalidScheduleError`` -> 400; ``UnknownWorkflowError``,
     ``RunNotFound`` and ``ScheduleNotFound`` -> 404;
     ``RunTerminalError`` and ``RunIdTaken`` -> 409, each with ``{"detail", "code"}``. Anything else

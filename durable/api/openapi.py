@@ -47,6 +47,17 @@ class ConcurrencyLimitErrorSerializer(ErrorSerializer):
     active = drf.IntegerField(help_text="Runs it counts now.")
     queued = drf.IntegerField(required=False, help_text="code concurrency_queue_full only: runs queued on the key.")
     max_queued = drf.IntegerField(required=False, help_text="code concurrency_queue_full only.")
+    source = drf.ChoiceField(  # type: ignore[assignment]
+        choices=["pool", "up_to"],
+        required=False,
+        help_text="A key with a burst only: what refused, its burst pool (full, while the key's guaranteed "
+        "slots are taken) or its ceiling up_to (guaranteed and borrowed runs in flight).",
+    )
+    pool = drf.CharField(required=False, help_text="A key with a burst only: the pool it borrows from.")
+    pool_limit = drf.IntegerField(required=False, help_text="A key with a burst only: the pool's limit in effect.")
+    pool_active = drf.IntegerField(required=False, help_text="A key with a burst only: runs holding a slot of the pool.")
+    up_to = drf.IntegerField(required=False, help_text="A key with a burst only: its most runs in flight in all.")
+    borrowed = drf.IntegerField(required=False, help_text="A key with a burst only: how many of active are borrowed.")
     retry_after = drf.IntegerField(
         help_text="Seconds to wait before starting again, the same figure as the Retry-After header: estimated "
         "per key (the median duration of its last finished runs minus the age of its oldest run in flight, "

@@ -266,6 +266,31 @@ class QuotaSerializer(serializers.Serializer):
     oldest_queued_age = serializers.SerializerMethodField(
         help_text="Seconds the oldest queued run has waited; null when nothing is queued."
     )
+    guaranteed = serializers.IntegerField(
+        read_only=True, help_text="A key with a burst or a pool only: runs of active admitted within the limit."
+    )
+    borrowed = serializers.IntegerField(read_only=True, help_text="Runs of active borrowed from the key's burst pool.")
+    pool = serializers.CharField(
+        read_only=True, allow_null=True, help_text="The pool the key borrows from (its burst); null: none."
+    )
+    up_to = serializers.IntegerField(
+        read_only=True, allow_null=True, help_text="The most runs of the key in flight, guaranteed and borrowed."
+    )
+    pool_limit = serializers.IntegerField(read_only=True, allow_null=True, help_text="The pool's limit in effect.")
+    pool_active = serializers.IntegerField(
+        read_only=True, allow_null=True, help_text="Runs holding a slot of the pool (of every key that borrows from it)."
+    )
+    is_pool = serializers.BooleanField(read_only=True, help_text='The key is a pool of DURABLE["POOLS"].')
+
+    #: Only for a key with a burst or a pool: a plain key's body is as it was before bursts.
+    BURST_FIELDS = ("guaranteed", "borrowed", "pool", "up_to", "pool_limit", "pool_active", "is_pool")
+
+    def to_representation(self, instance: Any) -> Any:
+        data = super().to_representation(instance)
+        if instance.pool is None and not instance.is_pool:
+            for name in self.BURST_FIELDS:
+                data.pop(name, None)
+        return data
 
     def get_oldest_queued_age(self, info: Any) -> float | None:
         if info.oldest_queued_at is None:

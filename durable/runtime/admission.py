@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from durable import conf, exceptions
 from durable.concurrency import QUEUEING_STRATEGIES, TAG_PREFIX, Quota, Strategy
+from durable.runtime import bursts
 from durable.status import ACTIVE_STATUSES, TERMINAL_STATUSES, RunStatus
 from durable.stores.base import BaseStore, RunRecord
 
@@ -69,6 +70,8 @@ class Decision:
     superseded: list[Superseded] = field(default_factory=list)
     cancel_type: str = "durable.cancel_newest"
     details: dict[str, str] = field(default_factory=dict)
+    #: The tags of the pools the run borrows from, beyond its keys' (``bursts.decide``).
+    borrowed: list[str] = field(default_factory=list)
 
 
 def decide(scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: Sequence[RunRecord] = ()) -> Decision:
@@ -98,7 +101,11 @@ def decide(scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: S
     that ancestor could wait for it forever.
     """
     full: list[tuple[Quota, int, int]] = []
+    borrowed: list[str] = []
     for quota in quotas:
+        if quota.burst is not None:  # REJECT, as every key of such a start (concurrency.resolve)
+            borrowed.extend(t for t in bursts.decide(scope, workflow, quota) if t not in borrowed)
+            continue
         active = scope.count(quota.tag, quota.count_statuses)
         queued = 0
         if quota.strategy in QUEUEING_STRATEGIES:
@@ -125,7 +132,7 @@ def decide(scope: Scope, workflow: str, quotas: Sequence[Quota], *, ancestors: S
                 retry_after=conf.retry_after_seconds(),
             )
     if not full:
-        return Decision()
+        return Decision(borrowed=borrowed)
     strategies = {quota.strategy for quota, _, _ in full}
     if Strategy.CANCEL_NEWEST in strategies:
         keys = ", ".join(q.key for q, _, _ in full if q.strategy is Strategy.CANCEL_NEWEST)

@@ -586,6 +586,7 @@ def _child_error(error: dict[str, Any]) -> exceptions.ChildWorkflowError:
     cause = error.get("cause")
     if cause:
         fields = {k: cause[k] for k in ("workflow", "key", "limit", "active")}
+        fields.update({k: cause[k] for k in exceptions.BURST_FIELDS if k in cause})  # a burst's refusal
         if cause.get("code") == exceptions.ConcurrencyQueueFullError.code:
             exc.__cause__ = exceptions.ConcurrencyQueueFullError(**fields, queued=cause["queued"], max_queued=cause["max_queued"])
         else:

@@ -17,7 +17,7 @@ from django.utils import timezone
 from durable import concurrency as _concurrency
 from durable import exceptions, signals
 from durable.conf import settings
-from durable.runtime import admission
+from durable.runtime import admission, bursts
 from durable.runtime import dispatch as _dispatch
 from durable.runtime import limits as _limits
 from durable.runtime.execution import Executor, send_run_finished
@@ -342,7 +342,7 @@ class Engine:
         elif record.status == RunStatus.QUEUED:
             # A slot may have freed between the count and now: hand it on.
             self.store.on_commit(lambda: self.promoter.promote([q.key for q in quotas]))
-        record.tags = tags
+        record.tags = record.tags or tags  # the admission's, when the run borrowed from a pool
         return RunHandle(self, record, created=True)
 
     def _admit(
@@ -361,8 +361,9 @@ class Engine:
         whether a run has that id (a start of it may have committed while this
         one waited): an idempotent re-start is never refused (``RunExists``).
         """
-        with self.store.admission(quotas) as locked:
-            quotas = locked or quotas  # the limits in effect (an operator's override), read under the locks
+        # A burst's pool is locked with the keys, in key order (bursts.with_pools).
+        with self.store.admission(bursts.with_pools(quotas)) as locked:
+            quotas = bursts.in_effect(quotas, locked)  # the limits in effect (an operator's override), read under the locks
             try:
                 decision = admission.decide(self.admission_scope, workflow, quotas, ancestors=ancestors)
             except exceptions.ConcurrencyLimitError:
@@ -373,7 +374,8 @@ class Engine:
             if decision.status == RunStatus.CANCELLED:
                 record.error = {"type": decision.cancel_type, "message": decision.reason, **decision.details}
                 record.finished_at = timezone.now()
-            self.store.create_run(record, [q.tag for q in quotas])  # first: a taken run id cancels nothing
+            record.tags = list(dict.fromkeys([q.tag for q in quotas] + decision.borrowed))
+            self.store.create_run(record, record.tags)  # first: a taken run id cancels nothing
             for gone in decision.superseded:
                 # Cancelled under the key's lock: the queue never holds more than max_queued.
                 # One cancelled meanwhile (by a user) left the queue already.
@@ -597,13 +599,14 @@ class Engine:
         specs = definition.concurrency if concurrency is None else _per_start(concurrency)
         quotas = _concurrency.resolve(specs, record.input)
         try:
-            with self.store.admission(quotas) as locked:
-                quotas = list(locked or quotas)
+            with self.store.admission(bursts.with_pools(quotas)) as locked:
+                quotas = bursts.in_effect(quotas, locked)
                 # A retry never queues nor cancels: a full key refuses it, whatever its strategy.
-                admission.decide(
+                decision = admission.decide(
                     self.admission_scope, record.workflow, [replace(q, strategy=_concurrency.Strategy.REJECT) for q in quotas]
                 )
-                if not self.store.retry(run_id, from_statuses=sorted(RETRYABLE_STATUSES), tags=[q.tag for q in quotas]):
+                tags = list(dict.fromkeys([q.tag for q in quotas] + decision.borrowed))
+                if not self.store.retry(run_id, from_statuses=sorted(RETRYABLE_STATUSES), tags=tags):
                     current = self._load(run_id).status
                     raise exceptions.RunTerminalError(
                         f"Run {run_id!r} is {current}; only failed, dead or cancelled runs can be retried.",

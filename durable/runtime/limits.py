@@ -9,12 +9,12 @@ start would get at the moment it counted, not a reservation.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from durable import concurrency as _concurrency
 from durable import exceptions
-from durable.runtime import admission
+from durable.runtime import admission, bursts
 from durable.status import RunStatus
 from durable.stores.base import LimitChangeRecord
 
@@ -101,8 +101,8 @@ class AdmissionCheck:
 def check(scope: admission.Scope, workflow: str, quotas: Sequence[_concurrency.Quota]) -> AdmissionCheck:
     """Decide a start of ``workflow`` under ``quotas`` (the code's limits) as
     ``admission.decide`` does, without locks or writes."""
-    overrides = scope.store.limit_overrides([q.key for q in quotas]) if quotas else {}
-    effective = [replace(q, limit=overrides[q.key]) if q.key in overrides else q for q in quotas]
+    overrides = scope.store.limit_overrides([q.key for q in quotas] + bursts.pools_of(quotas)) if quotas else {}
+    effective = bursts.with_overrides(quotas, overrides)
     keys = []
     for code, quota in zip(quotas, effective, strict=True):
         queued = scope.count(quota.tag, [RunStatus.QUEUED]) if quota.strategy in _concurrency.QUEUEING_STRATEGIES else 0

@@ -173,14 +173,17 @@ class DjangoStore(BaseStore):
         overrides: dict[str, int] = {}
         for quota in sorted(quotas, key=lambda q: q.key):
             statuses = list(quota.count_statuses)
+            burst = None if quota.burst is None else {"pool": quota.burst.pool, "up_to": quota.burst.up_to}
             row = locks.filter(key=quota.key).first()
             if row is None:
                 Lock.objects.using(self.using).bulk_create(
-                    [Lock(key=quota.key, limit=quota.limit, count_statuses=statuses)], ignore_conflicts=True
+                    [Lock(key=quota.key, limit=quota.limit, count_statuses=statuses, burst=burst)], ignore_conflicts=True
                 )
                 row = locks.get(key=quota.key)
-            if row.limit != quota.limit or row.count_statuses != statuses:
-                Lock.objects.using(self.using).filter(key=quota.key).update(limit=quota.limit, count_statuses=statuses)
+            if row.limit != quota.limit or row.count_statuses != statuses or row.burst != burst:
+                Lock.objects.using(self.using).filter(key=quota.key).update(
+                    limit=quota.limit, count_statuses=statuses, burst=burst
+                )
             if row.limit_override is not None:
                 overrides[quota.key] = row.limit_override
         return [replace(q, limit=overrides[q.key]) if q.key in overrides else q for q in quotas]
@@ -287,20 +290,56 @@ class DjangoStore(BaseStore):
         ordered = sorted(quotas, key=lambda q: q.key)
         groups = group_keys([q.tag for q in ordered])
         payload = [{"key": q.key, "limit": q.limit, "statuses": list(q.count_statuses), "group": groups[q.tag]} for q in ordered]
-        with connection.cursor() as cursor:
+        bursting = [(entry, q.burst) for entry, q in zip(payload, ordered, strict=True) if q.burst is not None]
+        for entry, burst in bursting:
+            entry.update(burst={"pool": burst.pool, "up_to": burst.up_to}, pool_limit=burst.pool_limit)
+        # A pool sorting before one of the keys is taken with NOWAIT (durable_admit): if it is busy the
+        # call raises lock_not_available, and is made again with every pool locked with the keys, in key order.
+        out_of_order = any(burst.pool < ordered[-1].key for _, burst in bursting)
+        for lock_pools in (False, True) if out_of_order else (True,):
+            for entry, _ in bursting:
+                entry["lock_pool"] = lock_pools
+            try:
+                row = self._call_admit(connection, payload, record, count_namespace, run_id_given, retry=not lock_pools)
+                break
+            except OperationalError as exc:
+                if lock_pools or getattr(exc.__cause__, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
+                    raise
+        outcome, key, limit, active, _, durations, oldest_age, burst_detail = row[:8]
+        seconds = conf.retry_after_seconds(estimate(_json(durations), oldest_age))
+        burst_detail = _json(burst_detail)
+        if outcome == "full":  # the function recorded the refused limits already
+            raise exceptions.ConcurrencyLimitError(
+                workflow=record.workflow, key=key, limit=limit, active=active, retry_after=seconds, **(burst_detail or {})
+            )
+        if outcome == "exists":
+            raise RunExists(record.run_id)
+        if burst_detail:
+            borrowed = [TAG_PREFIX + pool for pool in burst_detail["borrowed"]]
+            borrowed += [q.borrowed_tag for q in ordered if q.burst is not None and TAG_PREFIX + q.burst.pool in borrowed]
+            record.tags = list(dict.fromkeys([q.tag for q in ordered] + borrowed))
+        return True
+
+    def _call_admit(
+        self,
+        connection: BaseDatabaseWrapper,
+        payload: list[dict[str, Any]],
+        record: RunRecord,
+        count_namespace: str | None,
+        run_id_given: bool,
+        *,
+        retry: bool,
+    ) -> tuple[Any, ...]:
+        """One call of ``durable_admit``; with ``retry`` (it may raise lock_not_available to
+        be made again) inside a savepoint when a transaction is open, so that the error
+        leaves that transaction usable and the locks the call took are released."""
+        savepoint = transaction.atomic(using=self.using) if retry and connection.in_atomic_block else contextlib.nullcontext()
+        with savepoint, connection.cursor() as cursor:
             cursor.execute(
                 "SELECT * FROM durable_admit(%s::jsonb, %s, %s, %s, %s, %s, %s::jsonb, %s, %s, %s)",
                 [json.dumps(payload), *_start_params(record, count_namespace, run_id_given)],
             )
-            outcome, key, limit, active, _, durations, oldest_age = cursor.fetchone()
-        seconds = conf.retry_after_seconds(estimate(_json(durations), oldest_age))
-        if outcome == "full":  # the function recorded the refused limits already
-            raise exceptions.ConcurrencyLimitError(
-                workflow=record.workflow, key=key, limit=limit, active=active, retry_after=seconds
-            )
-        if outcome == "exists":
-            raise RunExists(record.run_id)
-        return True
+            return tuple(cursor.fetchone())
 
     def admit_queued(
         self,
@@ -840,6 +879,9 @@ class DjangoStore(BaseStore):
 
 _DATETIME_FIELDS = ("created_at", "updated_at", "started_at", "finished_at", "heartbeat_at", "dispatched_at", "wake_at")
 
+
+#: PostgreSQL's SQLSTATE of a NOWAIT lock that is busy (durable_admit's pool lock out of key order).
+_LOCK_NOT_AVAILABLE = "55P03"
 
 #: How many calls of ``durable_promote`` one promote makes at most (each further one
 #: takes first the locks the call before found busy out of key order).

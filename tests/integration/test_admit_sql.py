@@ -21,7 +21,7 @@ from durable.stores.base import RunExists, RunRecord, estimate
 SQL = Path(durable.__file__).resolve().parent / "sql"
 #: Each current copy in durable/sql/ and the functions its file defines.
 FUNCTIONS = {
-    "admit": ["durable_admit"],
+    "admit": ["durable_admit", "durable_burst_refusal", "durable_lock_pool"],
     "lifecycle": ["durable_claim", "durable_record_step", "durable_finish", "durable_end"],
     "queue": ["durable_admit_queued", "durable_promote"],
 }

@@ -434,7 +434,7 @@ def _run_summary(run: models.WorkflowRun) -> dict[str, Any]:
 
 
 def _quota(info: quotas.QuotaInfo) -> dict[str, Any]:
-    return {
+    data = {
         "key": info.key,
         "active": info.active,
         "limit": info.limit,
@@ -443,3 +443,7 @@ def _quota(info: quotas.QuotaInfo) -> dict[str, Any]:
         "oldest_active_at": _iso(info.oldest_active_at),
         "oldest_queued_at": _iso(info.oldest_queued_at),
     }
+    if info.pool is not None or info.is_pool:  # as GET quotas/: a burst's figures, for its keys only
+        data.update(guaranteed=info.guaranteed, borrowed=info.borrowed, pool=info.pool, up_to=info.up_to)
+        data.update(pool_limit=info.pool_limit, pool_active=info.pool_active, is_pool=info.is_pool)
+    return data
