@@ -107,24 +107,30 @@ def ago(value: datetime | None, now: datetime | None = None) -> SafeString | str
     return format_html('<span title="{}">{} ago</span>', timestamp(value), age(value, now))
 
 
-def usage_bar(active: int, limit: int | None) -> SafeString:
+def usage_bar(active: int, limit: int | None, *, ceiling: int | None = None, full: bool | None = None) -> SafeString:
     """``active / limit`` with a bar filled to the ratio, marked full (red, "FULL") when
-    ``active`` reaches ``limit``. Without a known limit: the count alone."""
+    ``active`` reaches ``limit``. Without a known limit: the count alone.
+
+    A key with a burst: ``ceiling`` is its ``up_to`` (the bar is filled to it, and the
+    count reads ``active / limit + borrowable``), and ``full`` says whether a start
+    would find no slot (at its ceiling, or beyond its limit with its pool full)."""
     if limit is None:
         return format_html('<span class="durable-use">{} / ?</span>', active)
-    full = active >= limit
-    ratio = 1.0 if limit <= 0 else min(1.0, active / limit)
+    scale = limit if ceiling is None else max(ceiling, limit)
+    if full is None:
+        full = active >= scale
+    ratio = 1.0 if scale <= 0 else min(1.0, active / scale)
     level = "full" if full else ("high" if ratio >= 0.75 else "ok")
+    count = format_html("{} / {}", active, limit) if scale == limit else format_html("{} / {} + {}", active, limit, scale - limit)
     return format_html(
         '<span class="durable-use durable-use-{}" title="{} of {} slots in use">'
         '<span class="durable-bar"><span style="width:{}%"></span></span>'
-        '<span class="durable-use-count">{} / {}</span>{}</span>',
+        '<span class="durable-use-count">{}</span>{}</span>',
         level,
         active,
-        limit,
+        scale,
         round(ratio * 100),
-        active,
-        limit,
+        count,
         mark_safe(' <strong class="durable-full">FULL</strong>') if full else "",
     )
 

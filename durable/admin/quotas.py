@@ -225,7 +225,7 @@ class ConcurrencyQuotaAdmin(admin.ModelAdmin):
     oldest counted run was created.
     """
 
-    list_display = ("key", USE, "borrowing", "queued", "oldest_queued", "oldest_in_flight", "counted_statuses", "runs")
+    list_display = ("key", USE, "queued", "oldest_queued", "oldest_in_flight", "counted_statuses", "runs")
     list_filter = (UseFilter, StrategyFilter)
     search_fields = ("key",)
     #: The database order of the idle keys; the list itself is fullest first (``_QuotaChangeList``).
@@ -236,7 +236,7 @@ class ConcurrencyQuotaAdmin(admin.ModelAdmin):
     paginator = EstimatedCountPaginator
     fields = (
         "key",
-        USE,
+        "usage",
         "borrowing",
         "limit_in_effect",
         "limit_changes",
@@ -271,8 +271,25 @@ class ConcurrencyQuotaAdmin(admin.ModelAdmin):
     # -- columns ------------------------------------------------------------------------
     @admin.display(description="use (active / limit)", ordering=USE)
     def use(self, lock: models.ConcurrencyLock) -> SafeString:
+        """The list's column: the bar, and under it a key's burst (or a pool) in short."""
+        bar = self.usage(lock)
         info = _info(lock)
-        bar = usage_bar(info.active if info else 0, lock.effective_limit)
+        if info is not None and (info.pool is not None or info.is_pool):
+            bar = format_html("{}<br>{}", bar, self._burst(info, short=True))
+        return bar
+
+    @admin.display(description="use (active / limit)")
+    def usage(self, lock: models.ConcurrencyLock) -> SafeString:
+        """``active / limit`` as a bar; a key with a burst reads against its ``up_to``
+        and is full when a start would find no slot."""
+        info = _info(lock)
+        if info is not None and info.pool is not None and info.up_to is not None and lock.effective_limit is not None:
+            # Beyond its limit a key with a burst borrows, while its pool has room, up to up_to.
+            pool_full = info.pool_limit is not None and (info.pool_active or 0) >= info.pool_limit
+            full = info.active >= info.up_to or (info.guaranteed >= lock.effective_limit and pool_full)
+            bar = usage_bar(info.active, lock.effective_limit, ceiling=info.up_to, full=full)
+        else:
+            bar = usage_bar(info.active if info else 0, lock.effective_limit)
         if lock.limit_override is None:
             return bar
         return format_html(
@@ -281,29 +298,47 @@ class ConcurrencyQuotaAdmin(admin.ModelAdmin):
             "unknown" if lock.limit is None else lock.limit,
         )
 
-    @admin.display(description="burst (guaranteed · borrowed · pool)")
+    @admin.display(description="burst")
     def borrowing(self, lock: models.ConcurrencyLock) -> SafeString | str:
         """A key with a burst: its guaranteed runs over its limit, its borrowed runs over
         what it may borrow (``up_to - limit``), and its pool's use; a pool says so."""
         info = _info(lock)
-        if info is None:
+        if info is None or not (info.pool is not None or info.is_pool):
             return self.get_empty_value_display()
-        if info.pool is not None:
-            limit = info.limit or 0
+        return self._burst(info, short=False)
+
+    def _burst(self, info: quotas.QuotaInfo, *, short: bool) -> SafeString:
+        if info.pool is None:
+            return format_html('<span class="durable-burst" title="{}">a pool</span>', "declared in DURABLE['POOLS']")
+        limit = info.limit or 0
+        borrowable = max(0, (info.up_to or 0) - max(limit, 0))
+        pool = format_html(
+            'pool <a href="{}">{}</a> {} / {}',
+            runs_with_tag_url(TAG_PREFIX + info.pool),
+            info.pool,
+            "?" if info.pool_active is None else info.pool_active,
+            "?" if info.pool_limit is None else info.pool_limit,
+        )
+        if short:
             return format_html(
-                '<span class="durable-burst">guaranteed {} / {} · borrowed {} / {} · pool <a href="{}">{}</a> {} / {}</span>',
+                '<span class="durable-burst" title="guaranteed {} of {}, borrowed {} of {}">{} + {} borrowed<br>{}</span>',
                 info.guaranteed,
                 limit,
                 info.borrowed,
-                max(0, (info.up_to or 0) - max(limit, 0)),
-                runs_with_tag_url(TAG_PREFIX + info.pool),
-                info.pool,
-                "?" if info.pool_active is None else info.pool_active,
-                "?" if info.pool_limit is None else info.pool_limit,
+                borrowable,
+                info.guaranteed,
+                info.borrowed,
+                pool,
             )
-        if info.is_pool:
-            return format_html('<span class="durable-burst" title="{}">a pool</span>', "declared in DURABLE['POOLS']")
-        return self.get_empty_value_display()
+        return format_html(
+            "guaranteed {} of {} · borrowed {} of {} (up to {} in all) · {}",
+            info.guaranteed,
+            limit,
+            info.borrowed,
+            borrowable,
+            info.up_to,
+            pool,
+        )
 
     @admin.display(description="active")
     def active(self, lock: models.ConcurrencyLock) -> int:
