@@ -208,6 +208,14 @@ class WorkflowRunAdmin(admin.ModelAdmin):
     fieldsets = ((None, {"fields": _SUMMARY}), ("Input and result", {"fields": _RESULT}), ("Execution", {"fields": _EXECUTION}))
     readonly_fields = _SUMMARY + _RESULT + _EXECUTION
 
+    def get_fieldsets(self, request: HttpRequest, obj: Any = None) -> Any:
+        fieldsets = super().get_fieldsets(request, obj)
+        if obj is None or obj.status not in TERMINAL_STATUSES:
+            return fieldsets
+        # A finished run is doing nothing now: no empty "now" row on its page.
+        summary = tuple(f for f in self._SUMMARY if f != "current_step")
+        return ((None, {"fields": summary}), *fieldsets[1:])
+
     class Media:
         css = {"all": ("durable/admin.css",)}
 

@@ -102,6 +102,14 @@ def test_an_unfinished_runs_page_says_what_it_waits_for(
     assert text in admin_client.get(run_url(run)).content.decode()
 
 
+@pytest.mark.parametrize("status", [RunStatus.COMPLETED, RunStatus.CANCELLED, RunStatus.FAILED, RunStatus.DEAD])
+def test_a_finished_runs_page_has_no_now_row(admin_client: Client, status: str) -> None:
+    finished = admin_client.get(run_url(WorkflowRunFactory(status=status))).content.decode()
+    running = admin_client.get(run_url(WorkflowRunFactory(status=RunStatus.RUNNING))).content.decode()
+    assert "field-current_step" not in finished
+    assert "field-current_step" in running
+
+
 # -- cancel and retry buttons ----------------------------------------------------------------
 
 
