@@ -195,6 +195,7 @@ class Concurrency:
             raise exceptions.InvalidStartError(f"Concurrency(strategy=...) must be a Strategy, got {self.strategy!r}.") from None
         object.__setattr__(self, "strategy", strategy)
         if strategy in QUEUE_DEPTH_STRATEGIES:
+            _check_requeue_statuses(strategy, self.count_statuses)
             if self.max_queued is None:
                 object.__setattr__(self, "max_queued", 1)
             if isinstance(self.max_queued, bool) or not isinstance(self.max_queued, int) or self.max_queued < 1:
@@ -299,7 +300,36 @@ def resolve(specs: Sequence[Concurrency], input: Any, *, limits: Limits | None =
     # can never deadlock against each other.
     resolved = [quotas[k] for k in sorted(quotas)]
     _check_pools(resolved)
+    depth = next((q for q in resolved if q.strategy in QUEUE_DEPTH_STRATEGIES), None)
+    if depth is not None:
+        for quota in resolved:
+            _check_requeue_statuses(depth.strategy, quota.count_statuses, other=quota.key)
     return resolved
+
+
+#: The statuses a run leaves and comes back from while it executes (a sleep, a
+#: remote queue without a worker): a queue-depth key must count them.
+_REENTERED_STATUSES = (RunStatus.SUSPENDED, RunStatus.BLOCKED)
+
+
+def _check_requeue_statuses(strategy: Strategy, count_statuses: Sequence[str], *, other: str | None = None) -> None:
+    """A run of a queue-depth key (CANCEL_QUEUED_EXCEPT_*) never goes back to ``queued``.
+
+    A run coming back from a status that holds no slot of a full key is queued
+    (``Executor.reenter``); the queue of a CANCEL_QUEUED_EXCEPT_* key holds runs that
+    never started, and a newer start cancels its oldest: it would cancel a run that
+    was executing, as "replaced". So every key of such a start counts the statuses a
+    run comes back from."""
+    missing = [s for s in _REENTERED_STATUSES if s not in count_statuses]
+    if not missing:
+        return
+    where = f"its key {other!r} counts" if other is not None else "it counts"
+    raise exceptions.InvalidStartError(
+        f"Strategy.{strategy.name} needs every key of the start to count {' and '.join(missing)} runs "
+        f"(count_statuses), but {where} {list(count_statuses)}: a run waking from a sleep onto a full key would "
+        "be queued behind runs that never started, and a newer start would cancel it as replaced. Keep "
+        "DEFAULT_CONCURRENCY_STATUSES, or add the missing statuses."
+    )
 
 
 def pool_limit(pool: str) -> int:

@@ -3,9 +3,11 @@ on every store: PostgreSQL or SQLite (DjangoStore, per DATABASE_URL) and the in-
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.utils import timezone
 
 from durable import Concurrency, ConcurrencyLimitError, ConcurrencyQueueFullError, Engine, RunStatus, Strategy
 from durable.exceptions import ChildWorkflowError, InvalidStartError
@@ -184,6 +186,46 @@ def test_an_idempotent_restart_returns_the_cancelled_run(engine: Engine) -> None
     first = start(engine, 3, run_id="late")
     again = start(engine, 3, run_id="late")
     assert (again.created, again.status, again.run_id) == (False, "cancelled", first.run_id)
+
+
+# -- runs coming back from a sleep ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", [NEWEST, OLDEST])
+@pytest.mark.parametrize("statuses", [["pending", "running"], ["pending", "running", "suspended"], ["running", "blocked"]])
+def test_a_queue_depth_key_counts_the_statuses_a_run_comes_back_from(strategy: Strategy, statuses: list[str]) -> None:
+    """A run waking onto a full key that did not count its sleep would be queued
+    behind runs that never started, and a newer start would cancel it as replaced."""
+    with pytest.raises(InvalidStartError, match=f"Strategy.{strategy.name} needs every key of the start to count"):
+        Concurrency(key="k", strategy=strategy, count_statuses=statuses)
+
+
+def test_every_key_of_a_queue_depth_start_counts_them(engine: Engine) -> None:
+    narrow = Concurrency(key="global", limit=1, strategy=GRR, count_statuses=["pending", "running"])
+    engine.register("preview", "1", lambda ctx, input: None, concurrency=[Concurrency(key=doc, strategy=NEWEST), narrow])
+    with pytest.raises(InvalidStartError, match="its key 'global' counts \\['pending', 'running'\\]"):
+        start(engine, 1)
+    assert engine.count_runs() == 0  # nothing created
+
+
+def test_a_run_waking_from_a_sleep_is_never_queued_nor_replaced(engine: Engine, store: Any) -> None:
+    register(engine, NEWEST)
+    sleeper = start(engine, 1)
+    # It executes, then sleeps: suspended, it keeps its slot (the default statuses count it).
+    assert store.transition(
+        sleeper.run_id,
+        from_statuses=["pending"],
+        to="suspended",
+        waiting_for="sleep",
+        wake_at=timezone.now() - timedelta(seconds=1),
+    )
+    waiting = start(engine, 2)
+    assert waiting.status == "queued"
+    assert engine.executor.wake_due(sleeper.run_id)
+    assert sleeper.refresh().status == "pending"  # back to work, not behind the queue
+    newer = start(engine, 3)
+    assert statuses([sleeper, waiting, newer]) == ["pending", "cancelled", "queued"]
+    assert waiting.record.error["replaced_by"] == newer.run_id
 
 
 # -- with other keys and strategies --------------------------------------------------------
