@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # django-stubs describe django.tasks; the backport has the sa
     from django.tasks.backends.base import BaseTaskBackend
     from django.tasks.base import DEFAULT_TASK_PRIORITY, Task, TaskContext, TaskError, TaskResult, TaskResultStatus
     from django.tasks.exceptions import InvalidTask as InvalidTaskError
-    from django.tasks.exceptions import TaskResultDoesNotExist
+    from django.tasks.exceptions import TaskResultDoesNotExist, TaskResultMismatch
     from django.tasks.signals import task_enqueued, task_finished, task_started
     from django.utils.json import normalize_json
 
@@ -27,7 +27,7 @@ else:
         from django.tasks.backends.base import BaseTaskBackend
         from django.tasks.base import DEFAULT_TASK_PRIORITY, Task, TaskContext, TaskError, TaskResult, TaskResultStatus
         from django.tasks.exceptions import InvalidTask as InvalidTaskError
-        from django.tasks.exceptions import TaskResultDoesNotExist
+        from django.tasks.exceptions import TaskResultDoesNotExist, TaskResultMismatch
         from django.tasks.signals import task_enqueued, task_finished, task_started
         from django.utils.json import normalize_json
 
@@ -37,7 +37,7 @@ else:
             from django_tasks import DEFAULT_TASK_QUEUE_NAME, task_backends
             from django_tasks.backends.base import BaseTaskBackend
             from django_tasks.base import DEFAULT_TASK_PRIORITY, Task, TaskContext, TaskError, TaskResult, TaskResultStatus
-            from django_tasks.exceptions import InvalidTaskError, TaskResultDoesNotExist
+            from django_tasks.exceptions import InvalidTaskError, TaskResultDoesNotExist, TaskResultMismatch
             from django_tasks.signals import task_enqueued, task_finished, task_started
             from django_tasks.utils import normalize_json
 
@@ -60,6 +60,7 @@ __all__ = [
     "TaskError",
     "TaskResult",
     "TaskResultDoesNotExist",
+    "TaskResultMismatch",
     "TaskResultStatus",
     "normalize_json",
     "set_field",
