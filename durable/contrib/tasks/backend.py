@@ -273,12 +273,16 @@ _FINISHED = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLE
 
 
 def _task_error(error: Any) -> Any:
+    """The framework's ``TaskError`` of a failed run's ``error``."""
     error = error if isinstance(error, dict) else {}
     path = str(error.get("type") or _RUN_ENDED)
-    if "." not in path or path.startswith("durable.") and not path.startswith("durable.exceptions."):
+    traceback = str(error.get("traceback") or error.get("message") or "")
+    if path == _EXITED:
+        # What the task raised, with its own traceback (the step records it as TaskExited).
+        path, traceback = "builtins.SystemExit", str(error.get("message") or traceback)
+    elif path.startswith("durable.") and path.count(".") == 1:
         # durable.cancelled, durable.dead, ...: the run ended without an exception of the task's.
         path = _RUN_ENDED
-    traceback = str(error.get("traceback") or error.get("message") or "")
     return framework.TaskError(exception_class_path=path, traceback=traceback)
 
 
@@ -344,7 +348,11 @@ def load_task(path: str) -> Any:
 
 
 class TaskExited(Exception):  # noqa: N818  (it says what happened)
-    """The task raised ``SystemExit``: the worker keeps running, the task fails."""
+    """The task raised ``SystemExit``: the worker keeps running, the task fails (its
+    result's error names ``SystemExit``; the message is that exception's traceback)."""
+
+
+_EXITED = f"{TaskExited.__module__}.{TaskExited.__qualname__}"
 
 
 def _call_task(run_id: str, input: dict[str, Any]) -> Any:
@@ -374,7 +382,8 @@ def _call_task(run_id: str, input: dict[str, Any]) -> Any:
         if current is not None and not isinstance(exc, (KeyboardInterrupt, exceptions.Suspend, exceptions.RunCancelled)):
             _finished(backend, current, framework.TaskResultStatus.FAILED, error=exc)
         if isinstance(exc, SystemExit):
-            raise TaskExited(f"The task called exit({exc.code!r}).") from exc
+            # Its message is the SystemExit's traceback, what the result reports.
+            raise TaskExited(format_traceback(exc)) from None
         raise
     if current is not None:
         _finished(backend, current, framework.TaskResultStatus.SUCCESSFUL, value=value)
