@@ -357,3 +357,51 @@ def test_an_engine_that_is_not_one_is_refused_on_first_use(settings: Any) -> Non
 
 def test_the_backend_passes_its_checks() -> None:
     assert list(fw.task_backends["default"].check()) == []
+
+
+@pytest.mark.django_db
+def test_settings_alone_move_a_task_from_the_immediate_backend(settings: Any) -> None:
+    """The how-to's worked example: the same task and call, only TASKS changes."""
+    immediate = (
+        "django.tasks.backends.immediate.ImmediateBackend"
+        if fw.NAME == "django.tasks"
+        else ("django_tasks.backends.immediate.ImmediateBackend")
+    )
+    settings.TASKS = {"default": {"BACKEND": immediate}}
+    before = djtasks.add.enqueue(2, 3)
+    assert (before.status, before.return_value) == (Status.SUCCESSFUL, 5)  # ran in the call
+    assert models.WorkflowRun.objects.count() == 0
+
+    settings.TASKS = {"default": {"BACKEND": "durable.contrib.tasks.DurableBackend"}}
+    after = djtasks.add.enqueue(2, 3)
+    assert after.status == Status.READY  # a durable run, for a worker
+    assert engine.get_run(after.id).workflow == WORKFLOW
+    engine.execute(after.id)
+    after.refresh()
+    assert (after.status, after.return_value) == (Status.SUCCESSFUL, 5)
+
+
+@pytest.mark.django_db
+def test_an_enqueue_in_a_rolled_back_transaction_enqueued_nothing() -> None:
+    from django.db import transaction
+
+    with pytest.raises(RuntimeError), transaction.atomic():
+        result = djtasks.add.enqueue(1, 2)
+        assert djtasks.add.get_result(result.id).status == Status.READY  # seen inside the transaction
+        raise RuntimeError("rolled back")
+    with pytest.raises(fw.TaskResultDoesNotExist):
+        djtasks.add.get_result(result.id)
+
+
+def test_without_a_tasks_framework_the_import_names_the_extra() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['django.tasks'] = None; sys.modules['django_tasks'] = None\n"
+        "import durable.contrib.tasks.framework\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "ImproperlyConfigured" in done.stderr
+    assert "django-durable-workflows[tasks]" in done.stderr
