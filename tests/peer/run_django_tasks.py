@@ -4,13 +4,15 @@ Their tests live in their repository, not in the sdist, and are not copied here:
 this script runs them from a checkout (a clone or ``git archive`` of the release
 tag matching the installed django-tasks, 0.12.0)::
 
-    DJANGO_TASKS_CHECKOUT=/path/to/django-tasks .venv/bin/python tests/peer/run_django_tasks.py [--json]
+    DJANGO_TASKS_CHECKOUT=/path/to/django-tasks .venv/bin/python tests/peer/run_django_tasks.py [--json] [--store=django]
 
 It configures Django with their test settings (plus durable's apps), and every
 backend their tests configure as ``ImmediateBackend`` is built as a
 ``DurableBackend`` instead, on an engine that executes each run in the caller's
-thread at enqueue (``InMemoryStore`` and ``InlineDispatcher``: their tests are
-``SimpleTestCase``s, which may not touch a database). So the tests written for the
+thread at enqueue (``InlineDispatcher``), on ``InMemoryStore`` by default (their
+tests are ``SimpleTestCase``s, which may not touch a database), or with
+``--store=django`` on ``DjangoStore`` over a migrated SQLite test database (the
+test classes are then allowed the database). So the tests written for the
 immediate backend, where a task has run when ``enqueue`` returns, exercise
 DurableBackend's enqueue, execution, results, errors, signals and validation.
 
@@ -36,6 +38,8 @@ MODULES = ["tests.tests.test_immediate_backend", "tests.tests.test_tasks"]
 IMMEDIATE = "django_tasks.backends.immediate.ImmediateBackend"
 #: How many calls the current test made into a DurableBackend (validate, enqueue, results, checks).
 CALLS = [0]
+#: The engine the swapped backends start runs on (set by ``configure``).
+ENGINES: list[Any] = []
 
 #: test id -> why it does not apply to DurableBackend.
 NOT_APPLICABLE = {
@@ -66,7 +70,7 @@ NOT_APPLICABLE = {
 }
 
 
-def configure(checkout: Path) -> None:
+def configure(checkout: Path, store: str) -> None:
     sys.path.insert(0, str(checkout))  # their `tests` package, before anything named so
     import django
     from django.conf import settings
@@ -75,22 +79,25 @@ def configure(checkout: Path) -> None:
 
     values = {name: getattr(theirs, name) for name in dir(theirs) if name.isupper()}
     values["INSTALLED_APPS"] = [*values["INSTALLED_APPS"], "django_celery_beat", "rest_framework", "durable"]
-    values["DATABASES"] = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}}
+    values["DATABASES"] = {
+        "default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:", "OPTIONS": {"transaction_mode": "IMMEDIATE"}}
+    }
     values["DEFAULT_AUTO_FIELD"] = "django.db.models.BigAutoField"
     settings.configure(**values)
     django.setup()
-    _swap_immediate_backend()
+    _swap_immediate_backend(store)
 
 
-def _swap_immediate_backend() -> None:
+def _swap_immediate_backend(store: str) -> None:
     """Every TASKS entry naming ImmediateBackend is built as a DurableBackend on the inline engine."""
     import django_tasks
 
-    from durable import Engine, InMemoryStore
+    from durable import DjangoStore, Engine, InMemoryStore
     from durable.contrib.tasks import DurableBackend
     from durable.runtime.dispatch import InlineDispatcher
 
-    engine = Engine(InMemoryStore(), dispatch=InlineDispatcher())
+    engine = Engine(DjangoStore() if store == "django" else InMemoryStore(), dispatch=InlineDispatcher())
+    ENGINES.append(engine)
 
     class InlineDurableBackend(DurableBackend):
         """DurableBackend; its engine executes each run in the caller's thread."""
@@ -167,11 +174,22 @@ class _Result(unittest.TextTestResult):
             self.outcomes[test.id()] = "failed"
 
 
-def run(as_json: bool) -> int:
-    from django.test.utils import setup_test_environment
+def _cases(suite: unittest.TestSuite) -> list[unittest.TestCase]:
+    cases: list[unittest.TestCase] = []
+    for item in suite:
+        cases += _cases(item) if isinstance(item, unittest.TestSuite) else [item]
+    return cases
+
+
+def run(as_json: bool, store: str) -> int:
+    from django.test.utils import setup_databases, setup_test_environment
 
     setup_test_environment()
     suite = unittest.defaultTestLoader.loadTestsFromNames(MODULES)
+    if store == "django":
+        setup_databases(verbosity=0, interactive=False)
+        for case in _cases(suite):
+            type(case).databases = {"default"}  # type: ignore[attr-defined]  (runs are rows now)
     runner = unittest.TextTestRunner(stream=sys.stderr, verbosity=1 if as_json else 2, resultclass=_Result)
     result: Any = runner.run(suite)
     outcomes: dict[str, str] = result.outcomes
@@ -180,6 +198,8 @@ def run(as_json: bool) -> int:
     applicable = {t: o for t, o in outcomes.items() if t in result.exercised and t not in NOT_APPLICABLE}
     elsewhere = {t: o for t, o in outcomes.items() if t not in result.exercised and t not in NOT_APPLICABLE}
     summary = {
+        "store": store,
+        "task_runs": len(ENGINES[0].list_runs(workflow="durable.task")),
         "modules": MODULES,
         "ran": len(outcomes),
         "applicable": len(applicable),
@@ -195,7 +215,7 @@ def run(as_json: bool) -> int:
         print(json.dumps(summary, indent=2))
     else:
         print(
-            f"\nRan {summary['ran']} tests of {', '.join(MODULES)}. {summary['passed']} of the "
+            f"\nRan {summary['ran']} tests of {', '.join(MODULES)} ({store} store). {summary['passed']} of the "
             f"{summary['applicable']} that apply (they call into DurableBackend) passed; "
             f"{summary['not_calling_durable_passed']} of the {summary['not_calling_durable']} that test the "
             f"framework on its dummy backend passed; {len(NOT_APPLICABLE)} do not apply:"
@@ -212,8 +232,9 @@ def main() -> int:
     if not checkout or not (Path(checkout) / "tests" / "tests" / "test_immediate_backend.py").exists():
         print("Set DJANGO_TASKS_CHECKOUT to a checkout of django-tasks (the tag of the installed version).", file=sys.stderr)
         return 2
-    configure(Path(checkout).resolve())
-    return run("--json" in sys.argv[1:])
+    store = "django" if "--store=django" in sys.argv[1:] else "memory"
+    configure(Path(checkout).resolve(), store)
+    return run("--json" in sys.argv[1:], store)
 
 
 if __name__ == "__main__":

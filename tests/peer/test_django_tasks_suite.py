@@ -23,9 +23,10 @@ CHECKOUT = os.environ.get("DJANGO_TASKS_CHECKOUT", "")
     reason="needs a checkout of django-tasks (its tests are not in the package): set DJANGO_TASKS_CHECKOUT",
 )
 @pytest.mark.skipif(framework.NAME != "django_tasks", reason="their suite tests the backport (django_tasks), not django.tasks")
-def test_the_backports_backend_tests_pass_against_durable_backend() -> None:
+@pytest.mark.parametrize("store", ["memory", "django"])
+def test_the_backports_backend_tests_pass_against_durable_backend(store: str) -> None:
     done = subprocess.run(
-        [sys.executable, str(RUNNER), "--json"],
+        [sys.executable, str(RUNNER), "--json", f"--store={store}"],
         env={**os.environ, "DJANGO_TASKS_CHECKOUT": CHECKOUT},
         capture_output=True,
         text=True,
@@ -34,4 +35,6 @@ def test_the_backports_backend_tests_pass_against_durable_backend() -> None:
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     summary = json.loads(done.stdout)
     assert summary["failed"] == []
+    assert summary["store"] == store
     assert summary["applicable"] >= 17 and summary["passed"] == summary["applicable"]
+    assert summary["task_runs"] > 0  # the tests' tasks were durable runs
