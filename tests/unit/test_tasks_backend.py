@@ -405,3 +405,36 @@ def test_without_a_tasks_framework_the_import_names_the_extra() -> None:
     assert done.returncode != 0
     assert "ImproperlyConfigured" in done.stderr
     assert "django-durable-workflows[tasks]" in done.stderr
+
+
+async def _five(key: str) -> int:
+    return 1 if key == "one" else 5
+
+
+@pytest.mark.django_db(transaction=True)
+def test_aenqueue_awaits_an_async_limit_and_refuses_over_it(settings: Any) -> None:
+    _tasks(settings, CONCURRENCY={"tests.djtasks.async_add": Concurrency(expression="'one'", limit=_five)})
+
+    async def twice() -> Any:
+        await djtasks.async_add.aenqueue(1, 2)
+        return await djtasks.async_add.aenqueue(1, 2)
+
+    with pytest.raises(ConcurrencyLimitError) as refused:
+        async_to_sync(twice)()
+    assert (refused.value.key, refused.value.limit) == ("one", 1)
+    assert models.WorkflowRun.objects.count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_queueing_quota_keeps_the_task_ready_until_a_slot_frees(settings: Any) -> None:
+    from durable import Strategy
+
+    _tasks(settings, CONCURRENCY={"tests.djtasks.add": Concurrency(key="adders", limit=1, strategy=Strategy.GROUP_ROUND_ROBIN)})
+    first, second = djtasks.add.enqueue(1, 1), djtasks.add.enqueue(2, 2)
+    assert engine.get_run(second.id).status == RunStatus.QUEUED
+    assert second.status == Status.READY
+
+    engine.execute(first.id)  # its end hands the slot to the queued run
+    assert engine.get_run(second.id).status == RunStatus.PENDING
+    engine.execute(second.id)
+    assert djtasks.add.get_result(second.id).return_value == 4
