@@ -449,3 +449,20 @@ def test_a_queueing_quota_keeps_the_task_ready_until_a_slot_frees(settings: Any)
     assert engine.get_run(second.id).status == RunStatus.PENDING
     engine.execute(second.id)
     assert djtasks.add.get_result(second.id).return_value == 4
+
+
+@pytest.mark.django_db
+def test_an_operator_tells_which_task_a_run_is(admin_client: Any) -> None:
+    from django.urls import reverse
+
+    result = djtasks.send_email.enqueue("ada@example.com")
+    engine.execute(result.id)
+    other = engine.start("test.add", {"a": 1, "b": 2})  # not a task
+    [run] = [h for h in engine.list_runs(workflow=WORKFLOW) if h.input["task"] == "tests.djtasks.send_email"]
+    assert run.run_id == result.id
+
+    pk = models.WorkflowRun.objects.get(run_id=result.id).pk
+    page = admin_client.get(reverse("admin:durable_workflowrun_change", args=[pk])).content.decode()
+    assert "tests.djtasks.send_email" in page  # its input and its one step name the task
+    listing = admin_client.get(reverse("admin:durable_workflowrun_changelist") + "?workflow=durable.task").content.decode()
+    assert result.id in listing and other.run_id not in listing
