@@ -466,3 +466,26 @@ def test_an_operator_tells_which_task_a_run_is(admin_client: Any) -> None:
     assert "tests.djtasks.send_email" in page  # its input and its one step name the task
     listing = admin_client.get(reverse("admin:durable_workflowrun_changelist") + "?workflow=durable.task").content.decode()
     assert result.id in listing and other.run_id not in listing
+
+
+@pytest.mark.django_db
+def test_a_deferred_task_holds_its_slot_from_enqueue(settings: Any) -> None:
+    _tasks(settings, CONCURRENCY={"tests.djtasks.add": {"key": "adders", "limit": 1}})
+    later = djtasks.add.using(run_after=timezone.now() + timedelta(hours=1))
+    parked = later.enqueue(1, 2)
+    with pytest.raises(ConcurrencyLimitError):  # refused at enqueue: the slot is taken, pending
+        djtasks.add.enqueue(3, 4)
+    engine.execute(parked.id)
+    assert engine.get_run(parked.id).status == RunStatus.SUSPENDED
+    with pytest.raises(ConcurrencyLimitError):  # and while it sleeps (suspended counts by default)
+        djtasks.add.enqueue(3, 4)
+
+
+@pytest.mark.django_db
+def test_a_deferred_task_sleeps_without_a_slot_when_suspended_is_not_counted(settings: Any) -> None:
+    statuses = ["pending", "running", "blocked"]
+    _tasks(settings, CONCURRENCY={"tests.djtasks.add": {"key": "adders", "limit": 1, "count_statuses": statuses}})
+    parked = djtasks.add.using(run_after=timezone.now() + timedelta(hours=1)).enqueue(1, 2)
+    engine.execute(parked.id)  # parks: its slot is free again
+    assert engine.get_run(parked.id).status == RunStatus.SUSPENDED
+    assert djtasks.add.enqueue(3, 4).status == Status.READY
