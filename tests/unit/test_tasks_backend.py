@@ -489,3 +489,17 @@ def test_a_deferred_task_sleeps_without_a_slot_when_suspended_is_not_counted(set
     engine.execute(parked.id)  # parks: its slot is free again
     assert engine.get_run(parked.id).status == RunStatus.SUSPENDED
     assert djtasks.add.enqueue(3, 4).status == Status.READY
+
+
+@pytest.mark.django_db
+def test_a_worker_without_the_runs_backend_alias_still_runs_the_task(caplog: Any) -> None:
+    result = djtasks.add.enqueue(20, 1)
+    run = models.WorkflowRun.objects.get(run_id=result.id)
+    run.input = {**run.input, "backend": "gone"}  # TASKS of the worker lacks the alias it was enqueued on
+    run.save(update_fields=["input"])
+
+    engine.execute(result.id)
+
+    handle = engine.get_run(result.id)
+    assert (handle.status, handle.output) == (RunStatus.COMPLETED, 21)
+    assert "TASKS['gone'] cannot be loaded" in caplog.text  # ran without the framework's signals

@@ -362,12 +362,17 @@ def _call_task(run_id: str, input: dict[str, Any]) -> Any:
     func = task.func if isinstance(task, framework.Task) else task
     args = list(input["args"])
     backend = _backend(input["backend"])
-    current = None if backend is None else backend.get_result(run_id)
+    current = None
+    if backend is not None:
+        try:
+            current = backend.get_result(run_id)
+        except framework.TaskResultDoesNotExist:  # the backend's ENGINE does not see this run
+            backend = None
     if input.get("takes_context"):
         if current is None:
             raise exceptions.FatalError(
                 f"Task {input['task']!r} takes a context, and TASKS[{input['backend']!r}] is no DurableBackend "
-                "in this worker: configure the same TASKS in every process."
+                "that sees this run in this worker: configure the same TASKS in every process."
             )
         args.insert(0, framework.TaskContext(task_result=current))
     if current is not None:
