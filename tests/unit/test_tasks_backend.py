@@ -503,3 +503,37 @@ def test_a_worker_without_the_runs_backend_alias_still_runs_the_task(caplog: Any
     handle = engine.get_run(result.id)
     assert (handle.status, handle.output) == (RunStatus.COMPLETED, 21)
     assert "TASKS['gone'] cannot be loaded" in caplog.text  # ran without the framework's signals
+
+
+@pytest.mark.django_db
+def test_the_frameworks_signals_follow_the_task() -> None:
+    seen: list[tuple[str, str, str]] = []
+
+    def receiver(name: str) -> Any:
+        def record(sender: Any, task_result: Any, **kwargs: Any) -> None:
+            seen.append((name, task_result.id, str(task_result.status)))
+
+        return record
+
+    receivers = {
+        s: receiver(n) for s, n in [(fw.task_enqueued, "enqueued"), (fw.task_started, "started"), (fw.task_finished, "finished")]
+    }
+    for signal, fn in receivers.items():
+        signal.connect(fn)
+    try:
+        ok = djtasks.add.enqueue(1, 2)
+        engine.execute(ok.id)
+        failed = djtasks.fail.enqueue("no")
+        engine.execute(failed.id)
+    finally:
+        for signal, fn in receivers.items():
+            signal.disconnect(fn)
+
+    assert seen == [
+        ("enqueued", ok.id, "READY"),
+        ("started", ok.id, "RUNNING"),
+        ("finished", ok.id, "SUCCESSFUL"),
+        ("enqueued", failed.id, "READY"),
+        ("started", failed.id, "RUNNING"),
+        ("finished", failed.id, "FAILED"),
+    ]
