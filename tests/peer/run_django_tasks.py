@@ -58,14 +58,6 @@ NOT_APPLICABLE = {
     "tests.tests.test_immediate_backend.ImmediateBackendTestCase.test_get_result_from_different_request": (
         "asserts that a result cannot be fetched from another request: DurableBackend can (supports_get_result = True)"
     ),
-    "tests.tests.test_immediate_backend.ImmediateBackendTestCase.test_enqueue_logs": (
-        "asserts the order enqueued, started, finished of the framework's log lines: on the inline engine this "
-        "runner uses, the task runs inside enqueue's start, before enqueue sends task_enqueued (on Celery workers "
-        "task_started and task_finished are sent in the worker's process)"
-    ),
-    "tests.tests.test_immediate_backend.ImmediateBackendTestCase.test_failed_logs": (
-        "the same order of log lines as test_enqueue_logs, for a failing task"
-    ),
     "tests.tests.test_tasks.TaskTestCase.test_get_backend": "asserts that the backend is an ImmediateBackend instance",
 }
 

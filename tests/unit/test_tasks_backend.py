@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from asgiref.sync import async_to_sync
 from django.core.exceptions import ImproperlyConfigured
+from django.db import transaction
 from django.urls import path
 from django.utils import timezone
 from rest_framework.permissions import AllowAny
@@ -394,7 +395,6 @@ def test_settings_alone_move_a_task_from_the_immediate_backend(settings: Any) ->
 
 @pytest.mark.django_db
 def test_an_enqueue_in_a_rolled_back_transaction_enqueued_nothing() -> None:
-    from django.db import transaction
 
     with pytest.raises(RuntimeError), transaction.atomic():
         result = djtasks.add.enqueue(1, 2)
@@ -505,7 +505,7 @@ def test_a_worker_without_the_runs_backend_alias_still_runs_the_task(caplog: Any
     assert "TASKS['gone'] cannot be loaded" in caplog.text  # ran without the framework's signals
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(transaction=True)  # task_enqueued is sent when the enqueue commits
 def test_the_frameworks_signals_follow_the_task() -> None:
     seen: list[tuple[str, str, str]] = []
 
@@ -525,6 +525,10 @@ def test_the_frameworks_signals_follow_the_task() -> None:
         engine.execute(ok.id)
         failed = djtasks.fail.enqueue("no")
         engine.execute(failed.id)
+        with pytest.raises(RuntimeError), transaction.atomic():
+            djtasks.add.enqueue(3, 4)
+            assert [name for name, *_ in seen].count("enqueued") == 2  # not before the commit
+            raise RuntimeError("rolled back: nothing was enqueued")
     finally:
         for signal, fn in receivers.items():
             signal.disconnect(fn)

@@ -29,7 +29,7 @@ from django.utils import timezone
 from django.utils.module_loading import import_string
 
 from durable import concurrency as _concurrency
-from durable import exceptions
+from durable import exceptions, signals
 from durable.contrib.tasks import framework
 from durable.runtime.context import WorkflowContext
 from durable.runtime.dispatch import InlineDispatcher
@@ -156,9 +156,8 @@ class DurableBackend(framework.BaseTaskBackend):
         if isinstance(self.engine.dispatch, InlineDispatcher) or handle.status != RunStatus.PENDING:
             # Executed in this thread already (an inline engine), or by a quick worker: say how it went.
             steps = self.engine.store.load_steps(handle.run_id)
-        result = task_result(task, handle.record, steps)
-        framework.task_enqueued.send(type(self), task_result=result)
-        return result
+        # task_enqueued is sent by _announce, when the start commits.
+        return task_result(task, handle.record, steps)
 
     def _input(self, task: Any, args: Any, kwargs: Any) -> dict[str, Any]:
         """The run's input: JSON only. The framework's own normalisation first (its
@@ -428,6 +427,20 @@ def run_task(ctx: WorkflowContext, input: dict[str, Any]) -> Any:
     return ctx.step(input["task"], _call_task, ctx.run_id, input)
 
 
+def _announce(sender: Engine, run_id: str, workflow: str, **kwargs: Any) -> None:
+    """The framework's ``task_enqueued`` for a task run, once its start commits: after
+    a rollback nothing was enqueued, and it comes before the run can reach a worker
+    (an inline engine executes the run right after). Receives durable's internal
+    ``_run_created``, as ``durable.contrib.prometheus`` does."""
+    if workflow != WORKFLOW:
+        return
+    handle = sender.get_run(run_id)
+    backend = _backend(handle.input["backend"]) if isinstance(handle.input, dict) else None
+    if backend is not None:
+        result = task_result(backend._task_of(handle.input), handle.record, [])
+        framework.task_enqueued.send(type(backend), task_result=result)
+
+
 def register(engine: Engine) -> None:
     """Register ``durable.task`` with ``engine``'s registry (once)."""
     try:
@@ -437,3 +450,4 @@ def register(engine: Engine) -> None:
 
 
 default_registry.register(WORKFLOW, VERSION, run_task)
+signals._run_created.connect(_announce, dispatch_uid="durable.contrib.tasks")
