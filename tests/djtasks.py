@@ -8,7 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from durable import Engine
 from durable.contrib.tasks.framework import NAME, TaskContext
+from durable.runtime.dispatch import Dispatcher
 
 if NAME == "django.tasks":
     from django.tasks import task
@@ -58,3 +60,8 @@ def slow(log: str, release: str) -> str:
 @task(takes_context=True)
 def whoami(context: TaskContext) -> dict[str, Any]:
     return {"id": context.task_result.id, "attempt": context.attempt}
+
+
+#: An engine that sends nothing to Celery: a test executes its runs itself
+#: (``quiet_engine.execute``), so a session's in-process worker never races it.
+quiet_engine = Engine(dispatch=Dispatcher())

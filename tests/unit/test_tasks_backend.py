@@ -177,8 +177,13 @@ def test_get_result_of_another_task_is_a_mismatch() -> None:
         djtasks.fail.get_result(result.id)
 
 
+QUIET = "tests.djtasks.quiet_engine"  # for the tests that commit: no Celery message, no session worker racing them
+
+
 @pytest.mark.django_db(transaction=True)
-def test_aenqueue_and_aget_result() -> None:
+def test_aenqueue_and_aget_result(settings: Any) -> None:
+    _tasks(settings, ENGINE=QUIET)
+
     async def flow() -> tuple[Any, Any]:
         result = await djtasks.async_add.aenqueue(1, 2)
         fetched = await djtasks.async_add.aget_result(result.id)
@@ -186,7 +191,7 @@ def test_aenqueue_and_aget_result() -> None:
 
     result, fetched = async_to_sync(flow)()
     assert result.status == Status.READY and fetched.id == result.id
-    engine.execute(result.id)
+    djtasks.quiet_engine.execute(result.id)
     async_to_sync(result.arefresh)()
     assert (result.status, result.return_value) == (Status.SUCCESSFUL, 3)
 
@@ -424,7 +429,7 @@ async def _five(key: str) -> int:
 
 @pytest.mark.django_db(transaction=True)
 def test_aenqueue_awaits_an_async_limit_and_refuses_over_it(settings: Any) -> None:
-    _tasks(settings, CONCURRENCY={"tests.djtasks.async_add": Concurrency(expression="'one'", limit=_five)})
+    _tasks(settings, ENGINE=QUIET, CONCURRENCY={"tests.djtasks.async_add": Concurrency(expression="'one'", limit=_five)})
 
     async def twice() -> Any:
         await djtasks.async_add.aenqueue(1, 2)
@@ -440,14 +445,15 @@ def test_aenqueue_awaits_an_async_limit_and_refuses_over_it(settings: Any) -> No
 def test_a_queueing_quota_keeps_the_task_ready_until_a_slot_frees(settings: Any) -> None:
     from durable import Strategy
 
-    _tasks(settings, CONCURRENCY={"tests.djtasks.add": Concurrency(key="adders", limit=1, strategy=Strategy.GROUP_ROUND_ROBIN)})
+    quota = Concurrency(key="adders", limit=1, strategy=Strategy.GROUP_ROUND_ROBIN)
+    _tasks(settings, ENGINE=QUIET, CONCURRENCY={"tests.djtasks.add": quota})
     first, second = djtasks.add.enqueue(1, 1), djtasks.add.enqueue(2, 2)
     assert engine.get_run(second.id).status == RunStatus.QUEUED
     assert second.status == Status.READY
 
-    engine.execute(first.id)  # its end hands the slot to the queued run
+    djtasks.quiet_engine.execute(first.id)  # its end hands the slot to the queued run
     assert engine.get_run(second.id).status == RunStatus.PENDING
-    engine.execute(second.id)
+    djtasks.quiet_engine.execute(second.id)
     assert djtasks.add.get_result(second.id).return_value == 4
 
 
@@ -506,7 +512,8 @@ def test_a_worker_without_the_runs_backend_alias_still_runs_the_task(caplog: Any
 
 
 @pytest.mark.django_db(transaction=True)  # task_enqueued is sent when the enqueue commits
-def test_the_frameworks_signals_follow_the_task() -> None:
+def test_the_frameworks_signals_follow_the_task(settings: Any) -> None:
+    _tasks(settings, ENGINE=QUIET)
     seen: list[tuple[str, str, str]] = []
 
     def receiver(name: str) -> Any:
@@ -522,9 +529,9 @@ def test_the_frameworks_signals_follow_the_task() -> None:
         signal.connect(fn)
     try:
         ok = djtasks.add.enqueue(1, 2)
-        engine.execute(ok.id)
+        djtasks.quiet_engine.execute(ok.id)
         failed = djtasks.fail.enqueue("no")
-        engine.execute(failed.id)
+        djtasks.quiet_engine.execute(failed.id)
         with pytest.raises(RuntimeError), transaction.atomic():
             djtasks.add.enqueue(3, 4)
             assert [name for name, *_ in seen].count("enqueued") == 2  # not before the commit
