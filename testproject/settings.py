@@ -7,10 +7,12 @@ services needed. Set ``DATABASE_URL`` (postgres://...) and ``CELERY_BROKER_URL``
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
 import dj_database_url
+import django
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "insecure-testproject-key-do-not-use-in-production")
@@ -30,6 +32,10 @@ INSTALLED_APPS = [
     "durable",
     "testproject.chat",
 ]
+#: Django's tasks framework: built in from Django 6.0, the django-tasks backport on 5.2 (the [tasks] extra).
+HAS_TASKS = django.VERSION >= (6, 0) or importlib.util.find_spec("django_tasks") is not None
+if HAS_TASKS and django.VERSION < (6, 0):
+    INSTALLED_APPS.append("django_tasks")
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
@@ -104,6 +110,15 @@ if os.environ.get("DURABLE_TASK_QUEUE"):
     DURABLE["TASK_QUEUE"] = os.environ["DURABLE_TASK_QUEUE"]
 if os.environ.get("DURABLE_MAX_ATTEMPTS"):
     DURABLE["MAX_ATTEMPTS"] = int(os.environ["DURABLE_MAX_ATTEMPTS"])
+
+if HAS_TASKS:
+    # Tasks enqueued with @task(...).enqueue() are durable runs (see the how-to "Django's tasks framework").
+    TASKS = {
+        "default": {
+            "BACKEND": "durable.contrib.tasks.DurableBackend",
+            "QUEUES": ["default", "emails"],
+        }
+    }
 
 LOGGING = {
     "version": 1,

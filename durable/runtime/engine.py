@@ -226,6 +226,7 @@ class Engine:
         *,
         version: str | None = None,
         parent_run_id: str | None = None,
+        queue: str | None = None,
     ) -> RunHandle:
         """Create a run of workflow ``name`` under its quota and hand it to a worker.
 
@@ -237,8 +238,12 @@ class Engine:
         run's own start is not committed yet). A child start (``parent_run_id``)
         counts in its parent's namespace with its parent's fencing and never
         cancels or queues behind its ancestors (see ``admission.decide``).
+
+        ``queue``: the Celery queue of this run's messages instead of the workflow's
+        (a workflow registered with ``register_remote`` keeps its own). A run on a
+        queue no live worker consumes is ``blocked``, as a remote workflow's run is.
         """
-        return self._start(name, input, run_id, concurrency, version=version, parent_run_id=parent_run_id)
+        return self._start(name, input, run_id, concurrency, version=version, parent_run_id=parent_run_id, queue=queue)
 
     async def astart(
         self,
@@ -249,6 +254,7 @@ class Engine:
         *,
         version: str | None = None,
         parent_run_id: str | None = None,
+        queue: str | None = None,
     ) -> RunHandle:
         """``start`` for async code (an async view under ASGI), with every guarantee
         of ``start``: exact admission, ``ConcurrencyLimitError`` when a quota is full.
@@ -262,7 +268,14 @@ class Engine:
         limits = await _concurrency.aresolve_limits(specs, input)
         start = sync_to_async(self._start)
         return await start(
-            name, input, run_id, concurrency, version=definition.version, parent_run_id=parent_run_id, limits=limits
+            name,
+            input,
+            run_id,
+            concurrency,
+            version=definition.version,
+            parent_run_id=parent_run_id,
+            limits=limits,
+            queue=queue,
         )
 
     def _start(
@@ -275,9 +288,11 @@ class Engine:
         version: str | None,
         parent_run_id: str | None,
         limits: _concurrency.Limits | None = None,
+        queue: str | None = None,
     ) -> RunHandle:
         definition = self.registry.current(name) if version is None else self.registry.get(name, str(version))
         input = check_json(input, what="the workflow input")
+        queue = _run_queue(definition, queue)
         if run_id is not None:
             # An existing run is returned first: one created before the run id rule stays re-startable.
             existing = self.store.get_run(run_id) if _valid_run_id(run_id) else None
@@ -290,7 +305,14 @@ class Engine:
             # whatever the fencing of the engine that executes the parent.
             engine = self.in_namespace(ancestors[0].namespace, scope_reads=ancestors[0].fenced)
             return engine._start(
-                name, input, run_id, concurrency, version=definition.version, parent_run_id=parent_run_id, limits=limits
+                name,
+                input,
+                run_id,
+                concurrency,
+                version=definition.version,
+                parent_run_id=parent_run_id,
+                limits=limits,
+                queue=queue,
             )
         specs = definition.concurrency if concurrency is None else _per_start(concurrency)
         quotas = _concurrency.resolve(specs, input, limits=limits)
@@ -302,7 +324,7 @@ class Engine:
             status=RunStatus.PENDING,
             input=input,
             parent_run_id=parent_run_id,
-            queue=definition.queue,
+            queue=queue,
             fenced=self.scope_reads,
         )
         tags = [q.tag for q in quotas]
@@ -745,6 +767,16 @@ def _per_start(spec: _concurrency.ConcurrencySpec) -> tuple[_concurrency.Concurr
                 "expression: compute them from the input before the start)."
             )
     return specs
+
+
+def _run_queue(definition: Definition, queue: str | None) -> str:
+    """The Celery queue of a new run: ``queue`` if given (not for a remote workflow,
+    whose body only its own queue's workers have), else the workflow's."""
+    if queue is None or definition.fn is None:
+        return definition.queue
+    if not isinstance(queue, str) or len(queue) > 200 or "\x00" in queue:
+        raise exceptions.InvalidStartError(f"A queue name must be a string of at most 200 characters, got {queue!r}.")
+    return queue
 
 
 #: Longest run id (the size of its column).
