@@ -460,7 +460,7 @@ class InMemoryStore(BaseStore):
                 waiting_for=SLOT_WAIT_PREFIX + key,
                 wake_at=None,
                 lease="",
-                attempt=0,
+                attempt=max(0, run.attempt - 1),  # a death before this park stays counted
             )
             return SlotAnswer("waiting", active, in_effect, tuple(woken))
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 from django.db.models import CharField, Exists, F, OuterRef, Q, Value
-from django.db.models.functions import Concat
+from django.db.models.functions import Concat, Greatest
 from django.utils import timezone
 
 from durable.status import ACTIVE_STATUSES, TERMINAL_STATUSES, RunStatus
@@ -133,7 +133,10 @@ def acquire(store: DjangoStore, run_id: str, lease: str, position: int, *, key: 
             waiting_for=SLOT_WAIT_PREFIX + key,
             wake_at=None,
             lease="",
-            attempt=0,
+            # Parking undoes its own claim's count, not an earlier death's: a takeover
+            # that frees a dead execution's slot and parks behind the waiters keeps
+            # the death counted, so a step that keeps killing its worker ends dead.
+            attempt=Greatest(F("attempt") - 1, Value(0)),
         )
         return SlotAnswer("waiting", active, in_effect, tuple(woken))
 

@@ -7,6 +7,7 @@ is how these tests have a step inside its body while another one asks for the ke
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from django.utils import timezone
 
 from durable import Concurrency, ConcurrencyLimitError, Engine, InMemoryStore, RunStatus, Strategy
+from durable.conf import settings as durable_settings
 from durable.exceptions import InvalidStartError
 from durable.runtime.context import WorkflowContext
 from durable.stores.base import BaseStore
@@ -377,6 +379,65 @@ def test_a_takeover_frees_a_dead_executions_slot_once_and_the_next_waiter_runs(
     assert log == [("in", "a"), ("in", "b"), ("out", "b"), ("in", "a"), ("out", "a")]
     assert engine.get_run("a").status == engine.get_run("b").status == RunStatus.COMPLETED
     assert held(engine.store) == []
+
+
+def test_a_limited_step_that_keeps_killing_its_worker_ends_dead_while_others_wait(
+    engine: Engine, dispatcher: RecordingDispatcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each takeover frees the dead execution's slot, hands it to the step waiting
+    for it and parks behind it: the park takes back its own claim only, so the
+    deaths add up and the run ends dead after MAX_ATTEMPTS, as without waiters."""
+    crashes = [0]
+
+    def call(run_id: str) -> str:
+        if run_id == "a":
+            crashes[0] += 1
+            other = f"w{crashes[0]}"
+            engine.start("w", {}, run_id=other)
+            dispatcher.sent.remove(other)
+            engine.execute(other)  # another run's step asks meanwhile: it waits for a's slot
+            raise _Crash  # the body kills its worker every time
+        return run_id
+
+    engine.register("w", "1", lambda ctx, input: ctx.step("gen", call, ctx.run_id, concurrency=Concurrency(key=KEY, limit=1)))
+    give_back = WorkflowContext._give_slot
+    monkeypatch.setattr(WorkflowContext, "_give_slot", lambda self, p, k: None if self.run_id == "a" else give_back(self, p, k))
+    engine.start("w", {}, run_id="a")
+    max_attempts = int(durable_settings.MAX_ATTEMPTS)
+    for _ in range(3 * max_attempts):
+        while dispatcher.sent:
+            with contextlib.suppress(_Crash):
+                engine.execute(dispatcher.sent.pop(0))
+        if engine.get_run("a").status != RunStatus.RUNNING:
+            break
+        # a's worker died inside the step: its heartbeat gets old, a redelivery takes it over.
+        old = timezone.now() - timedelta(seconds=60)
+        assert engine.store.transition("a", from_statuses=[RunStatus.RUNNING], to=RunStatus.RUNNING, heartbeat_at=old)
+        dispatcher.sent.append("a")
+    a = engine.get_run("a").record
+    assert (a.status, crashes[0]) == (RunStatus.DEAD, max_attempts), f"a: {a.status}, attempt {a.attempt}, {crashes[0]} deaths"
+    assert all(engine.get_run(f"w{n}").status == RunStatus.COMPLETED for n in range(1, crashes[0] + 1))
+    assert held(engine.store) == []
+
+
+def test_parking_for_a_slot_takes_back_its_own_claim_only(engine: Engine, dispatcher: RecordingDispatcher) -> None:
+    seen: list[int] = []
+
+    def call(run_id: str) -> str:
+        if run_id == "a":
+            engine.execute("b")
+            seen.append(engine.get_run("b").record.attempt)
+        return run_id
+
+    engine.register("w", "1", lambda ctx, input: ctx.step("gen", call, ctx.run_id, concurrency=Concurrency(key=KEY, limit=1)))
+    engine.start("w", {}, run_id="a")
+    engine.start("w", {}, run_id="b")
+    dispatcher.sent.remove("b")
+    # b died once before (its worker was killed before the step): its claim is its second.
+    assert engine.store.transition("b", from_statuses=[RunStatus.PENDING], to=RunStatus.PENDING, attempt=1)
+    run_pending(engine, dispatcher)
+    assert seen == [1]  # claimed (2), parked (1): the earlier death still counts
+    assert engine.get_run("b").status == RunStatus.COMPLETED
 
 
 def test_the_sweeper_wakes_a_run_whose_wake_up_was_lost(
