@@ -560,23 +560,34 @@ class DjangoStore(BaseStore):
 
     @_reconnecting
     def finish(self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None) -> bool | Finished:
-        """On PostgreSQL one call of ``durable_end``, which also counts the run's quota keys."""
+        """On PostgreSQL one call of ``durable_end``, which also counts the run's quota
+        keys; whether the run has step slot rows is read in the same statement."""
+        models = _models()
         connection = self._postgres()
         if connection is not None:
+            slots = models.StepSlot._meta.db_table
             with connection.cursor() as cursor:
                 cursor.execute(
-                    "SELECT durable_end(%s, %s, %s, %s::jsonb, %s::jsonb, %s)",
-                    [run_id, lease, status, _jsonb(output), _jsonb(error), timezone.now()],
+                    f"SELECT durable_end(%s, %s, %s, %s::jsonb, %s::jsonb, %s), EXISTS (SELECT 1 FROM {slots} s "
+                    f"WHERE s.run_id = (SELECT r.id FROM {models.WorkflowRun._meta.db_table} r WHERE r.run_id = %s))",
+                    [run_id, lease, status, _jsonb(output), _jsonb(error), timezone.now(), run_id],
                 )
-                keys = cursor.fetchone()[0]
-            return False if keys is None else Finished(held_keys=keys > 0)
+                keys, held_slots = cursor.fetchone()
+            return False if keys is None else Finished(held_keys=keys > 0, held_slots=held_slots)
         qs = self._runs().filter(run_id=run_id, status=RunStatus.RUNNING, lease=lease)
+        has_slots = Exists(models.StepSlot.objects.using(self.using).filter(run_id=OuterRef("pk")))
         with transaction.atomic(using=self.using):
             now = timezone.now()
-            if not self._set_status(qs, status, output=output, error=error, lease="", finished_at=now):
+            # What _set_status does, with the run's step slot rows looked up in its first statement.
+            found = qs.select_for_update().annotate(has_slots=has_slots).values_list("pk", "has_slots").first()
+            if found is None:
                 return False
+            pk, held_slots = found
+            ended = {"output": output, "error": error, "lease": "", "finished_at": now}
+            self._runs().filter(pk=pk).update(status=status, updated_at=now, **ended)
+            models.RunTag.objects.using(self.using).filter(run_id=pk).update(status=status)
             held_keys = self._record_durations(run_id, now)
-        return Finished(held_keys=held_keys)
+        return Finished(held_keys=held_keys, held_slots=bool(held_slots))
 
     def _record_durations(self, run_id: str, now: datetime) -> bool:
         """The generic path of what ``durable_end`` does on PostgreSQL: add the
@@ -612,6 +623,9 @@ class DjangoStore(BaseStore):
             if done:
                 run = self._runs().get(run_id=run_id)
                 models.StepRecord.objects.using(self.using).filter(run=run, outcome=models.StepRecord.Outcome.FAILED).delete()
+                # Its slot rows count no more (it ended): delete them, without the keys'
+                # locks (no count changes), so none counts again now that it is active.
+                models.StepSlot.objects.using(self.using).filter(run=run).delete()
                 models.RunTag.objects.using(self.using).filter(run=run).delete()
                 self._create_tags(run, tags)
         return done

@@ -250,7 +250,10 @@ class InMemoryStore(BaseStore):
                         self._durations_at[key] = now
             if run is None:
                 return False
-            return Finished(held_keys=any(tag.startswith(TAG_PREFIX) for tag in run.tags))
+            return Finished(
+                held_keys=any(tag.startswith(TAG_PREFIX) for tag in run.tags),
+                held_slots=any(r == run_id for r, _ in self._slots),
+            )
 
     def retry(self, run_id: str, *, from_statuses: Sequence[str], tags: Sequence[str]) -> bool:
         with self._lock:
@@ -276,6 +279,8 @@ class InMemoryStore(BaseStore):
                 steps = self._steps.get(run_id, {})
                 for position in [p for p, s in steps.items() if s.outcome == "failed"]:
                     del steps[position]
+                for ident in [i for i in self._slots if i[0] == run_id]:  # they count no more
+                    del self._slots[ident]
             return done
 
     # -- journal -------------------------------------------------------------

@@ -440,6 +440,91 @@ def test_parking_for_a_slot_takes_back_its_own_claim_only(engine: Engine, dispat
     assert engine.get_run("b").status == RunStatus.COMPLETED
 
 
+def handed_then_failed(engine: Engine, dispatcher: RecordingDispatcher, call: Any, broken: dict[str, bool]) -> None:
+    """Register ``w`` (one step ``gen`` running ``call``, limit 1) and start a, b and c;
+    a's step runs b inside its body, b parks, and a's release hands the slot to b, whose
+    replay then raises before the step while ``broken["b"]`` (a bad deploy)."""
+
+    def body(ctx: Any, input: Any) -> Any:
+        if broken.get(ctx.run_id):
+            raise RuntimeError("bug in the new deploy")
+        return ctx.step("gen", call, ctx.run_id, concurrency=Concurrency(key=KEY, limit=1))
+
+    engine.register("w", "1", body)
+    for run_id in "abc":
+        engine.start("w", {}, run_id=run_id)
+    dispatcher.sent.clear()
+    engine.execute("a")
+    assert dispatcher.sent == ["b"] and ("b", 0, "held") in held(engine.store)
+    broken["b"] = True
+    engine.execute(dispatcher.sent.pop(0))
+    assert engine.get_run("b").status == RunStatus.FAILED
+
+
+def test_a_run_that_fails_before_the_step_it_was_handed_a_slot_for_hands_it_on(
+    engine: Engine, dispatcher: RecordingDispatcher
+) -> None:
+    def call(run_id: str) -> str:
+        if run_id == "a":
+            engine.execute("b")
+            engine.execute("c")  # b, then c, wait for a's slot
+        return run_id
+
+    handed_then_failed(engine, dispatcher, call, {})
+    assert dispatcher.sent == ["c"]  # b's end handed its slot on at once, not at the next sweep
+    assert held(engine.store) == [("c", 0, "held")]
+    run_pending(engine, dispatcher)
+    assert engine.get_run("c").status == RunStatus.COMPLETED
+
+
+@pytest.mark.parametrize("release_lost", [False, True], ids=["released", "release-lost"])
+def test_a_retried_run_does_not_take_up_a_slot_it_was_handed_before_it_failed(
+    engine: Engine, dispatcher: RecordingDispatcher, monkeypatch: pytest.MonkeyPatch, release_lost: bool
+) -> None:
+    inside: list[str] = []
+    peak = [0]
+    broken: dict[str, bool] = {}
+
+    def call(run_id: str) -> str:
+        inside.append(run_id)
+        peak[0] = max(peak[0], len(inside))
+        if run_id == "a":
+            engine.execute("b")  # b waits for a's slot
+        if run_id == "c":  # c holds the only slot: b is retried (fixed) and executed meanwhile
+            broken["b"] = False
+            engine.retry("b")
+            assert ("b", 0, "held") not in held(engine.store)
+            dispatcher.sent.remove("b")
+            engine.execute("b")
+            assert engine.get_run("b").record.waiting_for == f"slot:{KEY}"
+        inside.remove(run_id)
+        return run_id
+
+    if release_lost:  # b's end commits, the hand-off after it is lost: b's row stays, counting no more
+        monkeypatch.setattr(engine.store, "release_run_slots", lambda run_id: [])
+    handed_then_failed(engine, dispatcher, call, broken)
+    monkeypatch.undo()
+    engine.execute("c")  # c takes the slot b's end freed
+    run_pending(engine, dispatcher)
+    assert engine.get_run("c").status == engine.get_run("b").status == RunStatus.COMPLETED
+    assert peak[0] == 1
+    assert held(engine.store) == []
+
+
+def test_a_run_ending_without_slot_rows_hands_no_step_slot_on(
+    engine: Engine, dispatcher: RecordingDispatcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    release = engine.store.release_run_slots
+    monkeypatch.setattr(engine.store, "release_run_slots", lambda run_id: calls.append(run_id) or release(run_id))
+    engine.register("w", "1", lambda ctx, input: ctx.step("gen", str, 1, concurrency=Concurrency(key=KEY, limit=1)))
+    engine.register("plain", "1", lambda ctx, input: ctx.step("gen", str, 1))
+    for name in ("w", "plain"):
+        engine.start(name, {})
+    run_pending(engine, dispatcher)
+    assert calls == []  # the step gave its slot back itself: the finish has nothing to hand on
+
+
 def test_the_sweeper_wakes_a_run_whose_wake_up_was_lost(
     engine: Engine, dispatcher: RecordingDispatcher, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -464,7 +549,9 @@ def test_the_sweeper_hands_on_a_slot_whose_release_was_lost(
     engine.start("w", {}, run_id="a")
     engine.start("w", {}, run_id="b")
     dispatcher.sent.remove("b")
-    monkeypatch.setattr(WorkflowContext, "_give_slot", lambda self, position, key: None)  # a crash after the journal write
+    # A crash after the journal write: the step's release is lost, and so is the finish's hand-off.
+    monkeypatch.setattr(WorkflowContext, "_give_slot", lambda self, position, key: None)
+    monkeypatch.setattr(engine.store, "release_run_slots", lambda run_id: [])
     run_pending(engine, dispatcher)
     monkeypatch.undo()
     # a's step is journaled, so its row no longer counts: the sweeper hands the slot to b.
@@ -491,7 +578,9 @@ def test_the_sweeper_deletes_slot_rows_that_no_longer_count(
 ) -> None:
     engine.register("w", "1", lambda ctx, input: ctx.step("gen", str, 1, concurrency=Concurrency(key=KEY, limit=1)))
     handle = engine.start("w", {})
-    monkeypatch.setattr(WorkflowContext, "_give_slot", lambda self, position, key: None)  # a crash after the journal write
+    # A crash after the journal write: the step's release is lost, and so is the finish's hand-off.
+    monkeypatch.setattr(WorkflowContext, "_give_slot", lambda self, position, key: None)
+    monkeypatch.setattr(engine.store, "release_run_slots", lambda run_id: [])
     run_pending(engine, dispatcher)
     monkeypatch.undo()
     assert handle.refresh().status == RunStatus.COMPLETED
