@@ -586,8 +586,9 @@ class Engine:
     def retry(self, run_id: str, concurrency: _concurrency.ConcurrencySpec = None) -> RunHandle:
         """Start a failed, dead or cancelled run again, under its workflow's quota
         (or ``concurrency``), as a new start would be: its tags are replaced by the
-        quotas checked now. Completed steps are kept; the failed step runs again.
-        """
+        quotas checked now. The journal is kept but for the failure that ended a
+        failed run (its last entry, when a failed step), which runs again;
+        failures the workflow caught earlier replay as they did."""
         record = self._load(run_id)
         if record.status not in RETRYABLE_STATUSES:
             raise exceptions.RunTerminalError(

@@ -266,8 +266,10 @@ class BaseStore:
         raise NotImplementedError
 
     def retry(self, run_id: str, *, from_statuses: Sequence[str], tags: Sequence[str]) -> bool:
-        """Compare-and-set the run back to ``pending`` with ``tags``, dropping its
-        failed steps and its step slot rows (a slot it was handed before it ended
+        """Compare-and-set the run back to ``pending`` with ``tags``, dropping the
+        failure that ended it (the last journal entry, when the run ``failed`` and
+        that entry is a failed step: failures the workflow caught before stay, and
+        replay as they did) and its step slot rows (a slot it was handed before it ended
         counts no more; its replay asks the key again)."""
         raise NotImplementedError
 

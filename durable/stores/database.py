@@ -607,6 +607,7 @@ class DjangoStore(BaseStore):
         models = _models()
         with transaction.atomic(using=self.using):
             qs = self._runs().filter(run_id=run_id, status__in=list(from_statuses))
+            previous = qs.select_for_update().values_list("status", flat=True).first()
             done = self._set_status(
                 qs,
                 RunStatus.PENDING,
@@ -622,7 +623,10 @@ class DjangoStore(BaseStore):
             )
             if done:
                 run = self._runs().get(run_id=run_id)
-                models.StepRecord.objects.using(self.using).filter(run=run, outcome=models.StepRecord.Outcome.FAILED).delete()
+                steps = models.StepRecord.objects.using(self.using).filter(run=run)
+                last = steps.order_by("-position").values_list("pk", "outcome").first()
+                if previous == RunStatus.FAILED and last is not None and last[1] == models.StepRecord.Outcome.FAILED:
+                    steps.filter(pk=last[0]).delete()  # the failure that ended the run: it runs again
                 # Its slot rows count no more (it ended): delete them, without the keys'
                 # locks (no count changes), so none counts again now that it is active.
                 models.StepSlot.objects.using(self.using).filter(run=run).delete()

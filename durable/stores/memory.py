@@ -258,6 +258,7 @@ class InMemoryStore(BaseStore):
     def retry(self, run_id: str, *, from_statuses: Sequence[str], tags: Sequence[str]) -> bool:
         with self._lock:
             run = self._runs.get(run_id)
+            previous = None if run is None else run.status
             done = self._update(
                 run_id,
                 lambda r: r.status in from_statuses,
@@ -277,8 +278,9 @@ class InMemoryStore(BaseStore):
                 run.generation += 1
                 self._groups[run_id] = group_keys(tags)
                 steps = self._steps.get(run_id, {})
-                for position in [p for p, s in steps.items() if s.outcome == "failed"]:
-                    del steps[position]
+                last = max(steps, default=None)
+                if previous == RunStatus.FAILED and last is not None and steps[last].outcome == "failed":
+                    del steps[last]  # the failure that ended the run: it runs again
                 for ident in [i for i in self._slots if i[0] == run_id]:  # they count no more
                     del self._slots[ident]
             return done

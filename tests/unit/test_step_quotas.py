@@ -180,6 +180,45 @@ def test_reject_raises_into_the_workflow_journaled_and_replayed_without_asking(
     assert log == [("in", "a"), ("out", "a"), ("in", "b"), ("out", "b")]
 
 
+def test_a_retry_replays_a_caught_refusal_as_the_first_execution_saw_it(engine: Engine, dispatcher: RecordingDispatcher) -> None:
+    quota = Concurrency(key=KEY, limit=1, strategy=Strategy.REJECT)
+    save_fails = {"b": True}
+
+    def call(run_id: str) -> str:
+        if run_id == "a":
+            engine.execute("b")  # b is refused while a holds the slot
+        return f"primary {run_id}"
+
+    def save(run_id: str, reply: str) -> str:
+        if save_fails.get(run_id):
+            raise RuntimeError("the database of replies is down")
+        return reply
+
+    def body(ctx: Any, input: Any) -> Any:
+        try:
+            reply = ctx.step("generate", call, ctx.run_id, concurrency=quota)
+        except ConcurrencyLimitError:
+            reply = ctx.step("fallback", lambda: "fallback reply")
+        return ctx.step("save", save, ctx.run_id, reply)
+
+    engine.register("w", "1", body)
+    engine.start("w", {}, run_id="a")
+    engine.start("w", {}, run_id="b")
+    dispatcher.sent.clear()
+    engine.execute("a")
+    assert engine.get_run("b").status == RunStatus.FAILED  # refused, fell back, then "save" failed
+    save_fails["b"] = False
+    engine.retry("b")  # the key is free now: asking it again would take the other branch
+    run_pending(engine, dispatcher)
+    b = engine.get_run("b").record
+    assert (b.status, b.output) == (RunStatus.COMPLETED, "fallback reply"), b.error
+    assert [(s.name, s.outcome) for s in engine.store.load_steps("b")] == [
+        ("generate", "failed"),
+        ("fallback", "completed"),
+        ("save", "completed"),
+    ]
+
+
 def test_a_replayed_refusal_is_the_same_error(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     errors: list[ConcurrencyLimitError] = []
 
