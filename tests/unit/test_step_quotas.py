@@ -8,6 +8,7 @@ is how these tests have a step inside its body while another one asks for the ke
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from datetime import timedelta
 from typing import Any
 
@@ -286,6 +287,33 @@ def test_bad_step_quotas_are_refused_at_the_call(
     assert [type(e) for e in caught] == [error] and calls == []
     assert engine.store.load_steps(handle.run_id) == []  # nothing journaled, no position taken
     assert held(engine.store) == []
+
+
+def test_a_replaced_step_quota_keeps_its_strategy_given_or_not(engine: Engine, dispatcher: RecordingDispatcher) -> None:
+    shared = Concurrency(key=KEY, limit=1)
+    waiting = dataclasses.replace(shared, limit=2)  # e.g. a bigger limit derived from a shared quota
+    refusing = dataclasses.replace(shared, strategy=Strategy.REJECT)
+    assert not waiting.strategy_given and waiting.limit == 2
+    assert refusing.strategy_given and refusing.strategy is Strategy.REJECT
+    assert not dataclasses.replace(refusing, strategy=shared.strategy).strategy_given
+    assert dataclasses.replace(refusing, limit=2).strategy_given
+    assert shared.strategy == Strategy.REJECT and Strategy(shared.strategy) is Strategy.REJECT  # what a run's quota does
+    assert shared == Concurrency(key=KEY, limit=1) and shared != refusing  # they behave differently in a step
+    assert dataclasses.replace(waiting, limit=1) == shared
+
+    def body(ctx: Any, input: Any) -> Any:
+        quota = dataclasses.replace(shared, limit=1)
+        return ctx.step("gen", lambda: engine.execute("b") if ctx.run_id == "a" else "b", concurrency=quota)
+
+    engine.register("w", "1", body)
+    engine.start("w", {}, run_id="a")
+    engine.start("w", {}, run_id="b")
+    dispatcher.sent.clear()
+    engine.execute("a")
+    assert engine.get_run("b").status == RunStatus.PENDING  # it waited for a's slot, and was handed it
+    assert engine.store.load_steps("b") == []  # not refused
+    run_pending(engine, dispatcher)
+    assert engine.get_run("b").result() == "b"
 
 
 def test_group_round_robin_is_the_explicit_name_of_waiting(engine: Engine, dispatcher: RecordingDispatcher) -> None:
