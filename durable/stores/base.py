@@ -374,6 +374,12 @@ class BaseStore:
         handed one. Default: none held."""
         return []
 
+    def hand_off_key_slots(self, keys: Sequence[str]) -> list[tuple[str, str]]:
+        """The limits of ``keys`` changed (an operator's override): hand their free
+        step slots to their waiting steps, under each key's lock; ``(key, run id)``
+        of the runs handed one. Default: none."""
+        return []
+
     def hand_off_slots(self) -> list[tuple[str, str]]:
         """For the sweeper: hand the free slots of every key with waiters on (a
         release lost in a crash); ``(key, run id)`` of the runs handed one, and of

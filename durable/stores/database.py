@@ -859,6 +859,9 @@ class DjangoStore(BaseStore):
     def release_run_slots(self, run_id: str) -> list[tuple[str, str]]:
         return slots.release_run(self, run_id)
 
+    def hand_off_key_slots(self, keys: Sequence[str]) -> list[tuple[str, str]]:
+        return slots.hand_off_keys(self, keys)
+
     def hand_off_slots(self) -> list[tuple[str, str]]:
         return slots.hand_off_all(self)
 

@@ -486,6 +486,10 @@ class InMemoryStore(BaseStore):
                 del self._slots[ident]
             return [(key, woken) for key in keys for woken in self._hand_off(key)]
 
+    def hand_off_key_slots(self, keys: Sequence[str]) -> list[tuple[str, str]]:
+        with self._lock:
+            return [(key, run_id) for key in sorted(set(keys)) for run_id in self._hand_off(key)]
+
     def hand_off_slots(self) -> list[tuple[str, str]]:
         with self._lock:
             for ident, slot in list(self._slots.items()):  # rows that no longer count

@@ -1,5 +1,6 @@
 """Step-level quotas on Django's ORM (PostgreSQL and SQLite): ``DjangoStore``'s
-``acquire_slot``, ``release_slot``, ``release_run_slots`` and ``hand_off_slots``.
+``acquire_slot``, ``release_slot``, ``release_run_slots``, ``hand_off_key_slots`` and
+``hand_off_slots``.
 
 Every write that can change a key's count of ``StepSlot`` rows happens under the
 lock of the key's ``ConcurrencyLock`` row (SELECT ... FOR UPDATE), the row run
@@ -13,6 +14,7 @@ handed a slot happens after commit, in transactions of their own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
@@ -158,6 +160,17 @@ def release_run(store: DjangoStore, run_id: str) -> list[tuple[str, str]]:
         with transaction.atomic(using=store.using):
             override = _lock(store, key)
             slots.filter(run__run_id=run_id, key=key).delete()
+            woken += [(key, r) for r in _hand_off(store, key, override)[0]]
+    return woken
+
+
+def hand_off_keys(store: DjangoStore, keys: Sequence[str]) -> list[tuple[str, str]]:
+    slots = _slots(store)
+    waited = set(slots.filter(key__in=list(keys), status="waiting").values_list("key", flat=True))
+    woken: list[tuple[str, str]] = []
+    for key in sorted(waited):  # one key at a time, as admission locks them
+        with transaction.atomic(using=store.using):
+            override = _lock(store, key)
             woken += [(key, r) for r in _hand_off(store, key, override)[0]]
     return woken
 

@@ -640,6 +640,33 @@ def test_an_operator_override_replaces_the_steps_limit(engine: Engine, dispatche
     assert log == [("in", "a"), ("in", "b"), ("out", "b"), ("out", "a")]  # b ran inside a's step: 2 slots
 
 
+def test_raising_the_override_hands_the_new_room_to_waiting_steps_at_once(
+    engine: Engine, dispatcher: RecordingDispatcher
+) -> None:
+    woken: list[list[str]] = []
+
+    def call(run_id: str) -> str:
+        if run_id == "a":
+            engine.execute("b")  # b and c wait for a's slot
+            engine.execute("c")
+            engine.set_limit_override(KEY, 2, reason="a bigger contract")
+            woken.append(list(dispatcher.sent))
+            rows.append(held(engine.store))
+        return run_id
+
+    rows: list[list[tuple[str, int, str]]] = []
+    engine.register("w", "1", lambda ctx, input: ctx.step("gen", call, ctx.run_id, concurrency=Concurrency(key=KEY, limit=1)))
+    for run_id in "abc":
+        engine.start("w", {}, run_id=run_id)
+    dispatcher.sent.clear()
+    engine.execute("a")
+    assert woken == [["b"]]  # one new slot: the oldest waiter got it, without waiting for the sweeper
+    assert rows == [[("a", 0, "held"), ("b", 0, "held"), ("c", 0, "waiting")]]
+    assert dispatcher.sent == ["b", "c"]  # then a's release handed its slot to c
+    run_pending(engine, dispatcher)
+    assert [engine.get_run(r).status for r in "abc"] == [RunStatus.COMPLETED] * 3
+
+
 def test_the_sweeper_deletes_slot_rows_that_no_longer_count(
     engine: Engine, dispatcher: RecordingDispatcher, monkeypatch: pytest.MonkeyPatch
 ) -> None:
