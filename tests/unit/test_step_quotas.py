@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from durable import Concurrency, ConcurrencyLimitError, Engine, InMemoryStore, RunStatus, Strategy
+from durable import Burst, Concurrency, ConcurrencyLimitError, Engine, InMemoryStore, RunStatus, Strategy
 from durable.conf import settings as durable_settings
 from durable.exceptions import InvalidStartError
 from durable.runtime.context import WorkflowContext
@@ -263,13 +263,16 @@ def test_a_limit_of_zero_refuses_even_a_waiting_step(engine: Engine, dispatcher:
         (Concurrency(key=KEY, limit=1, strategy=Strategy.CANCEL_NEWEST), InvalidStartError),
         (Concurrency(key=KEY, limit=1, strategy=Strategy.GROUP_ROUND_ROBIN, max_queued=2), InvalidStartError),
         (Concurrency(key=KEY, limit=1, count_statuses=["running"]), InvalidStartError),
+        (Concurrency(key=KEY, limit=1, burst=Burst(pool="global", up_to=3)), InvalidStartError),
+        (Concurrency(key=KEY, limit=1, strategy=Strategy.REJECT, burst=Burst(pool="global", up_to=3)), InvalidStartError),
         ([Concurrency(key=KEY, limit=1)], TypeError),
         ("provider", TypeError),
     ],
 )
 def test_bad_step_quotas_are_refused_at_the_call(
-    engine: Engine, dispatcher: RecordingDispatcher, spec: Any, error: type[Exception]
+    engine: Engine, dispatcher: RecordingDispatcher, spec: Any, error: type[Exception], settings: Any
 ) -> None:
+    settings.DURABLE = {**settings.DURABLE, "POOLS": {"global": 5}}  # a burst's pool exists: it is still refused
     caught: list[Exception] = []
     calls: list[int] = []
 
