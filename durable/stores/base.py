@@ -371,7 +371,8 @@ class BaseStore:
     def release_run_slots(self, run_id: str) -> list[tuple[str, str]]:
         """A run ended (finished with step slot rows, or cancelled): delete its slot
         rows and hand their keys' free slots on; ``(key, run id)`` of the runs
-        handed one. Default: none held."""
+        handed one. Nothing if the run is no longer ended (retried since: its
+        rows are its new execution's). Default: none held."""
         return []
 
     def hand_off_key_slots(self, keys: Sequence[str]) -> list[tuple[str, str]]:

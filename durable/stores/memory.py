@@ -481,6 +481,9 @@ class InMemoryStore(BaseStore):
 
     def release_run_slots(self, run_id: str) -> list[tuple[str, str]]:
         with self._lock:
+            run = self._runs.get(run_id)
+            if run is not None and run.status not in TERMINAL_STATUSES:
+                return []  # retried since it ended: its rows are its new execution's
             keys = sorted({s.key for (r, _), s in self._slots.items() if r == run_id})
             for ident in [i for i in self._slots if i[0] == run_id]:
                 del self._slots[ident]

@@ -153,13 +153,15 @@ def release(store: DjangoStore, run_id: str, position: int, *, key: str, lease: 
 
 
 def release_run(store: DjangoStore, run_id: str) -> list[tuple[str, str]]:
-    slots = _slots(store)
-    keys = sorted(set(slots.filter(run__run_id=run_id).values_list("key", flat=True)))
+    # Only while the run is ended: once retried, its rows (the retry deleted the old
+    # ones) are its new execution's, which a late release must leave alone.
+    ended = _slots(store).filter(run__run_id=run_id, run__status__in=TERMINAL_STATUSES)
+    keys = sorted(set(ended.values_list("key", flat=True)))
     woken: list[tuple[str, str]] = []
     for key in keys:  # one key at a time, as admission locks them
         with transaction.atomic(using=store.using):
             override = _lock(store, key)
-            slots.filter(run__run_id=run_id, key=key).delete()
+            ended.filter(key=key).delete()
             woken += [(key, r) for r in _hand_off(store, key, override)[0]]
     return woken
 

@@ -390,6 +390,38 @@ def test_cancelling_a_run_inside_its_step_hands_the_slot_on_at_once(engine: Engi
     assert held(engine.store) == []
 
 
+def test_a_late_hand_off_of_an_ended_run_leaves_the_slot_rows_of_its_retry(
+    engine: Engine, dispatcher: RecordingDispatcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    late: list[str] = []
+    rows: list[list[tuple[str, int, str]]] = []
+    release = engine.store.release_run_slots
+
+    def call(run_id: str) -> str:
+        if run_id == "a":
+            engine.execute("b")  # b waits for a's slot
+            monkeypatch.setattr(engine.store, "release_run_slots", lambda run_id: late.append(run_id) or [])
+            engine.cancel("b")  # the hand-off that follows its commit is late (a slow process)
+            monkeypatch.setattr(engine.store, "release_run_slots", release)
+            engine.retry("b")
+            dispatcher.sent.remove("b")
+            engine.execute("b")  # the retry waits for a's slot again
+            assert late == ["b"]
+            assert release("b") == []  # the cancel's hand-off comes now
+            rows.append(held(engine.store))
+        return run_id
+
+    engine.register("w", "1", lambda ctx, input: ctx.step("gen", call, ctx.run_id, concurrency=Concurrency(key=KEY, limit=1)))
+    engine.start("w", {}, run_id="a")
+    engine.start("w", {}, run_id="b")
+    dispatcher.sent.clear()
+    engine.execute("a")
+    assert rows == [[("a", 0, "held"), ("b", 0, "waiting")]]  # the retry's row is left alone
+    assert dispatcher.sent == ["b"]  # a's release handed it the slot
+    run_pending(engine, dispatcher)
+    assert engine.get_run("b").status == RunStatus.COMPLETED
+
+
 def test_cancelling_a_waiting_run_drops_it_from_the_queue(engine: Engine, dispatcher: RecordingDispatcher) -> None:
     def call(run_id: str) -> str:
         if run_id == "a":
