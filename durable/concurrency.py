@@ -114,7 +114,17 @@ class PoolBurst:
 
 class _DefaultStrategy(str):
     """The value of ``Concurrency(strategy=...)`` when none is passed: ``REJECT``
-    for a run's quota, queueing for a step's (``Concurrency.strategy_given``)."""
+    for a run's quota, queueing for a step's (``Concurrency.strategy_given``).
+
+    It stays the ``strategy`` of a ``Concurrency`` given none (equal to
+    ``Strategy.REJECT``, and ``Strategy(...)`` of it is that), so that
+    ``dataclasses.replace``, which passes every field on, keeps it not given."""
+
+    def __repr__(self) -> str:
+        return "<default strategy: REJECT for a run, waiting for a step>"
+
+    def __deepcopy__(self, memo: Any) -> _DefaultStrategy:
+        return self
 
 
 _DEFAULT_STRATEGY: Any = _DefaultStrategy(Strategy.REJECT.value)
@@ -156,7 +166,8 @@ class Concurrency:
     burst: Burst | None = None
     _program: Any = field(default=None, init=False, repr=False, compare=False)
     _limit_program: Any = field(default=None, init=False, repr=False, compare=False)
-    _strategy_given: bool = field(default=True, init=False, repr=False, compare=False)
+    #: Compared: a step quota given no strategy waits, one given REJECT refuses.
+    _strategy_given: bool = field(default=True, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if (self.key is None) == (self.expression is None):
@@ -188,12 +199,14 @@ class Concurrency:
                 f"among {sorted(COUNTABLE_STATUSES)}, got {statuses!r}."
             )
         object.__setattr__(self, "count_statuses", tuple(dict.fromkeys(statuses)))
-        object.__setattr__(self, "_strategy_given", self.strategy is not _DEFAULT_STRATEGY)
+        given = not isinstance(self.strategy, _DefaultStrategy)
+        object.__setattr__(self, "_strategy_given", given)
         try:
             strategy = Strategy(self.strategy)
         except ValueError:
             raise exceptions.InvalidStartError(f"Concurrency(strategy=...) must be a Strategy, got {self.strategy!r}.") from None
-        object.__setattr__(self, "strategy", strategy)
+        if given:  # else the default stays, for dataclasses.replace to pass on
+            object.__setattr__(self, "strategy", strategy)
         if strategy in QUEUE_DEPTH_STRATEGIES:
             _check_requeue_statuses(strategy, self.count_statuses)
             if self.max_queued is None:
@@ -220,7 +233,8 @@ class Concurrency:
     @property
     def strategy_given(self) -> bool:
         """Whether ``strategy=`` was passed: a run's quota defaults to ``REJECT``,
-        a step's (``ctx.step(..., concurrency=...)``) to waiting for a slot."""
+        a step's (``ctx.step(..., concurrency=...)``) to waiting for a slot.
+        ``dataclasses.replace`` keeps it unless it is given a ``strategy``."""
         return self._strategy_given
 
     @property
@@ -350,7 +364,7 @@ def _check_burst(spec: Concurrency) -> None:
     assert spec.burst is not None
     if not isinstance(spec.burst, Burst):
         raise exceptions.InvalidStartError(f"Concurrency(burst=...) must be a Burst, got {spec.burst!r}.")
-    if spec.strategy is not Strategy.REJECT:
+    if Strategy(spec.strategy) is not Strategy.REJECT:
         raise exceptions.InvalidStartError(
             f"Concurrency(burst=...) only applies to Strategy.REJECT, not {spec.strategy}: a start beyond "
             "the key's limit borrows from the pool or is refused, it is never queued nor cancels runs."

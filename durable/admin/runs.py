@@ -277,7 +277,7 @@ class WorkflowRunAdmin(admin.ModelAdmin):
             verb="retry",
             question="Retry this run?",
             consequence="It starts again under its workflow's quota (refused if the key is full); "
-            "its completed steps are kept and the failed step runs again.",
+            "its journal is kept and the failed step that ended it runs again.",
             perform=self.retry,
         )
 

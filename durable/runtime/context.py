@@ -470,7 +470,8 @@ _REFUSAL_TYPE = "durable.exceptions.ConcurrencyLimitError"
 
 def _check_step_quota(spec: Any, name: str) -> None:
     """What a step-level quota may say: one ``Concurrency``, queueing (the default,
-    or ``GROUP_ROUND_ROBIN``) or ``REJECT``, without run-level options."""
+    or ``GROUP_ROUND_ROBIN``) or ``REJECT``, without run-level options (``max_queued``,
+    ``count_statuses``, ``burst``)."""
     if not isinstance(spec, Concurrency):
         raise TypeError(f"ctx.step({name!r}, concurrency=...) takes one Concurrency, got {spec!r}.")
     if spec.strategy_given and spec.strategy not in (Strategy.REJECT, Strategy.GROUP_ROUND_ROBIN):
@@ -480,6 +481,11 @@ def _check_step_quota(spec: Any, name: str) -> None:
         )
     if spec.max_queued is not None:
         raise exceptions.InvalidStartError(f"Step {name!r}: max_queued applies to a run's quota only.")
+    if spec.burst is not None:
+        raise exceptions.InvalidStartError(
+            f"Step {name!r}: burst applies to a run's quota only (a step never borrows from a pool); "
+            "raise the step key's limit instead."
+        )
     if tuple(spec.count_statuses) != DEFAULT_CONCURRENCY_STATUSES:
         raise exceptions.InvalidStartError(
             f"Step {name!r}: count_statuses applies to a run's quota only (a step holds its slot while its body runs)."

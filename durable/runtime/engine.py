@@ -480,7 +480,8 @@ class Engine:
         The next admission of the key applies it: each reads the override under the
         key's lock. Lowering a limit below the runs in flight cancels nothing; it
         refuses (or queues) new starts until they drop below it. Raising it hands
-        the new room to the key's queued runs.
+        the new room to the key's queued runs and to the steps waiting for a slot
+        of the key (step-level quotas).
         """
         key, limit, reason = _limits.check_override(key, limit, reason)
         change = self.store.set_limit_override(
@@ -488,7 +489,16 @@ class Engine:
         )
         logger.info("Limit of concurrency key %s: %s -> %s (%s)", key, change.old_limit, change.new_limit, reason)
         self.store.on_commit(lambda: self.promoter.promote([key]))
+        self.store.on_commit(lambda: self._hand_off_step_slots(key))
         return change
+
+    def _hand_off_step_slots(self, key: str) -> None:
+        """Hand the key's free step slots to its waiting steps (a fast path: the sweeper does it too)."""
+        try:
+            self.executor.slots_handed(self.store.hand_off_key_slots([key]))
+        except Exception:
+            self.store.recover()
+            logger.warning("The step slots of %s were not handed on after its new limit; the sweeper does.", key, exc_info=True)
 
     def _ancestors(self, parent_run_id: str | None) -> list[RunRecord]:
         """The parent of a child start, its parent, and so on up to the root."""
@@ -608,8 +618,9 @@ class Engine:
     def retry(self, run_id: str, concurrency: _concurrency.ConcurrencySpec = None) -> RunHandle:
         """Start a failed, dead or cancelled run again, under its workflow's quota
         (or ``concurrency``), as a new start would be: its tags are replaced by the
-        quotas checked now. Completed steps are kept; the failed step runs again.
-        """
+        quotas checked now. The journal is kept but for the failure that ended a
+        failed run (its last entry, when a failed step), which runs again;
+        failures the workflow caught earlier replay as they did."""
         record = self._load(run_id)
         if record.status not in RETRYABLE_STATUSES:
             raise exceptions.RunTerminalError(

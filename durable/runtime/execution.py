@@ -202,8 +202,9 @@ class Executor:
             return False
         held_keys = not isinstance(finished, Finished) or finished.held_keys
         # A step's slot is given back when the step ends (WorkflowContext.step); a run
-        # that a dead execution left holding one gives it back here.
-        slots = status == RunStatus.DEAD or run.attempt > 1
+        # that ends with slot rows (left by a dead execution, or a slot handed to it
+        # that its replay never reached) hands them on here.
+        slots = not isinstance(finished, Finished) or finished.held_slots
         self._after(run, lambda run: self.ended(run, held_keys=held_keys, slots=slots))
         if signals.run_finished.has_listeners(self.engine):
             send_run_finished(self.engine, run, status, output=output, error=error)

@@ -26,9 +26,12 @@ from durable.concurrency import Quota
 class Finished:
     """What ``BaseStore.finish`` may answer for a run it ended, instead of ``True``:
     ``held_keys=False`` says the run held no quota key, so its end frees no slot and
-    no hand-off to queued runs follows. A plain ``True`` means it may have held some."""
+    no hand-off to queued runs follows; ``held_slots=False`` says it had no step slot
+    row (held or waiting), so there is no step slot to hand on. A plain ``True``
+    means it may have held some of both."""
 
     held_keys: bool = True
+    held_slots: bool = True
 
     def __bool__(self) -> bool:
         return True
@@ -263,7 +266,11 @@ class BaseStore:
         raise NotImplementedError
 
     def retry(self, run_id: str, *, from_statuses: Sequence[str], tags: Sequence[str]) -> bool:
-        """Compare-and-set the run back to ``pending`` with ``tags``, dropping its failed steps."""
+        """Compare-and-set the run back to ``pending`` with ``tags``, dropping the
+        failure that ended it (the last journal entry, when the run ``failed`` and
+        that entry is a failed step: failures the workflow caught before stay, and
+        replay as they did) and its step slot rows (a slot it was handed before it ended
+        counts no more; its replay asks the key again)."""
         raise NotImplementedError
 
     # -- journal -------------------------------------------------------------
@@ -362,8 +369,16 @@ class BaseStore:
         raise NotImplementedError(f"{type(self).__name__} has no step-level quotas.")
 
     def release_run_slots(self, run_id: str) -> list[tuple[str, str]]:
-        """A run ended (cancelled): delete its slot rows and hand their keys' free
-        slots on; ``(key, run id)`` of the runs handed one. Default: none held."""
+        """A run ended (finished with step slot rows, or cancelled): delete its slot
+        rows and hand their keys' free slots on; ``(key, run id)`` of the runs
+        handed one. Nothing if the run is no longer ended (retried since: its
+        rows are its new execution's). Default: none held."""
+        return []
+
+    def hand_off_key_slots(self, keys: Sequence[str]) -> list[tuple[str, str]]:
+        """The limits of ``keys`` changed (an operator's override): hand their free
+        step slots to their waiting steps, under each key's lock; ``(key, run id)``
+        of the runs handed one. Default: none."""
         return []
 
     def hand_off_slots(self) -> list[tuple[str, str]]:

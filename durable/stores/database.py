@@ -560,23 +560,34 @@ class DjangoStore(BaseStore):
 
     @_reconnecting
     def finish(self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None) -> bool | Finished:
-        """On PostgreSQL one call of ``durable_end``, which also counts the run's quota keys."""
+        """On PostgreSQL one call of ``durable_end``, which also counts the run's quota
+        keys; whether the run has step slot rows is read in the same statement."""
+        models = _models()
         connection = self._postgres()
         if connection is not None:
+            slots = models.StepSlot._meta.db_table
             with connection.cursor() as cursor:
                 cursor.execute(
-                    "SELECT durable_end(%s, %s, %s, %s::jsonb, %s::jsonb, %s)",
-                    [run_id, lease, status, _jsonb(output), _jsonb(error), timezone.now()],
+                    f"SELECT durable_end(%s, %s, %s, %s::jsonb, %s::jsonb, %s), EXISTS (SELECT 1 FROM {slots} s "
+                    f"WHERE s.run_id = (SELECT r.id FROM {models.WorkflowRun._meta.db_table} r WHERE r.run_id = %s))",
+                    [run_id, lease, status, _jsonb(output), _jsonb(error), timezone.now(), run_id],
                 )
-                keys = cursor.fetchone()[0]
-            return False if keys is None else Finished(held_keys=keys > 0)
+                keys, held_slots = cursor.fetchone()
+            return False if keys is None else Finished(held_keys=keys > 0, held_slots=held_slots)
         qs = self._runs().filter(run_id=run_id, status=RunStatus.RUNNING, lease=lease)
+        has_slots = Exists(models.StepSlot.objects.using(self.using).filter(run_id=OuterRef("pk")))
         with transaction.atomic(using=self.using):
             now = timezone.now()
-            if not self._set_status(qs, status, output=output, error=error, lease="", finished_at=now):
+            # What _set_status does, with the run's step slot rows looked up in its first statement.
+            found = qs.select_for_update().annotate(has_slots=has_slots).values_list("pk", "has_slots").first()
+            if found is None:
                 return False
+            pk, held_slots = found
+            ended = {"output": output, "error": error, "lease": "", "finished_at": now}
+            self._runs().filter(pk=pk).update(status=status, updated_at=now, **ended)
+            models.RunTag.objects.using(self.using).filter(run_id=pk).update(status=status)
             held_keys = self._record_durations(run_id, now)
-        return Finished(held_keys=held_keys)
+        return Finished(held_keys=held_keys, held_slots=bool(held_slots))
 
     def _record_durations(self, run_id: str, now: datetime) -> bool:
         """The generic path of what ``durable_end`` does on PostgreSQL: add the
@@ -596,6 +607,7 @@ class DjangoStore(BaseStore):
         models = _models()
         with transaction.atomic(using=self.using):
             qs = self._runs().filter(run_id=run_id, status__in=list(from_statuses))
+            previous = qs.select_for_update().values_list("status", flat=True).first()
             done = self._set_status(
                 qs,
                 RunStatus.PENDING,
@@ -611,7 +623,13 @@ class DjangoStore(BaseStore):
             )
             if done:
                 run = self._runs().get(run_id=run_id)
-                models.StepRecord.objects.using(self.using).filter(run=run, outcome=models.StepRecord.Outcome.FAILED).delete()
+                steps = models.StepRecord.objects.using(self.using).filter(run=run)
+                last = steps.order_by("-position").values_list("pk", "outcome").first()
+                if previous == RunStatus.FAILED and last is not None and last[1] == models.StepRecord.Outcome.FAILED:
+                    steps.filter(pk=last[0]).delete()  # the failure that ended the run: it runs again
+                # Its slot rows count no more (it ended): delete them, without the keys'
+                # locks (no count changes), so none counts again now that it is active.
+                models.StepSlot.objects.using(self.using).filter(run=run).delete()
                 models.RunTag.objects.using(self.using).filter(run=run).delete()
                 self._create_tags(run, tags)
         return done
@@ -840,6 +858,9 @@ class DjangoStore(BaseStore):
 
     def release_run_slots(self, run_id: str) -> list[tuple[str, str]]:
         return slots.release_run(self, run_id)
+
+    def hand_off_key_slots(self, keys: Sequence[str]) -> list[tuple[str, str]]:
+        return slots.hand_off_keys(self, keys)
 
     def hand_off_slots(self) -> list[tuple[str, str]]:
         return slots.hand_off_all(self)

@@ -250,11 +250,15 @@ class InMemoryStore(BaseStore):
                         self._durations_at[key] = now
             if run is None:
                 return False
-            return Finished(held_keys=any(tag.startswith(TAG_PREFIX) for tag in run.tags))
+            return Finished(
+                held_keys=any(tag.startswith(TAG_PREFIX) for tag in run.tags),
+                held_slots=any(r == run_id for r, _ in self._slots),
+            )
 
     def retry(self, run_id: str, *, from_statuses: Sequence[str], tags: Sequence[str]) -> bool:
         with self._lock:
             run = self._runs.get(run_id)
+            previous = None if run is None else run.status
             done = self._update(
                 run_id,
                 lambda r: r.status in from_statuses,
@@ -274,8 +278,11 @@ class InMemoryStore(BaseStore):
                 run.generation += 1
                 self._groups[run_id] = group_keys(tags)
                 steps = self._steps.get(run_id, {})
-                for position in [p for p, s in steps.items() if s.outcome == "failed"]:
-                    del steps[position]
+                last = max(steps, default=None)
+                if previous == RunStatus.FAILED and last is not None and steps[last].outcome == "failed":
+                    del steps[last]  # the failure that ended the run: it runs again
+                for ident in [i for i in self._slots if i[0] == run_id]:  # they count no more
+                    del self._slots[ident]
             return done
 
     # -- journal -------------------------------------------------------------
@@ -460,7 +467,7 @@ class InMemoryStore(BaseStore):
                 waiting_for=SLOT_WAIT_PREFIX + key,
                 wake_at=None,
                 lease="",
-                attempt=0,
+                attempt=max(0, run.attempt - 1),  # a death before this park stays counted
             )
             return SlotAnswer("waiting", active, in_effect, tuple(woken))
 
@@ -474,10 +481,17 @@ class InMemoryStore(BaseStore):
 
     def release_run_slots(self, run_id: str) -> list[tuple[str, str]]:
         with self._lock:
+            run = self._runs.get(run_id)
+            if run is not None and run.status not in TERMINAL_STATUSES:
+                return []  # retried since it ended: its rows are its new execution's
             keys = sorted({s.key for (r, _), s in self._slots.items() if r == run_id})
             for ident in [i for i in self._slots if i[0] == run_id]:
                 del self._slots[ident]
             return [(key, woken) for key in keys for woken in self._hand_off(key)]
+
+    def hand_off_key_slots(self, keys: Sequence[str]) -> list[tuple[str, str]]:
+        with self._lock:
+            return [(key, run_id) for key in sorted(set(keys)) for run_id in self._hand_off(key)]
 
     def hand_off_slots(self) -> list[tuple[str, str]]:
         with self._lock:

@@ -1,5 +1,6 @@
 """Step-level quotas on Django's ORM (PostgreSQL and SQLite): ``DjangoStore``'s
-``acquire_slot``, ``release_slot``, ``release_run_slots`` and ``hand_off_slots``.
+``acquire_slot``, ``release_slot``, ``release_run_slots``, ``hand_off_key_slots`` and
+``hand_off_slots``.
 
 Every write that can change a key's count of ``StepSlot`` rows happens under the
 lock of the key's ``ConcurrencyLock`` row (SELECT ... FOR UPDATE), the row run
@@ -13,11 +14,12 @@ handed a slot happens after commit, in transactions of their own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 from django.db.models import CharField, Exists, F, OuterRef, Q, Value
-from django.db.models.functions import Concat
+from django.db.models.functions import Concat, Greatest
 from django.utils import timezone
 
 from durable.status import ACTIVE_STATUSES, TERMINAL_STATUSES, RunStatus
@@ -133,7 +135,10 @@ def acquire(store: DjangoStore, run_id: str, lease: str, position: int, *, key: 
             waiting_for=SLOT_WAIT_PREFIX + key,
             wake_at=None,
             lease="",
-            attempt=0,
+            # Parking undoes its own claim's count, not an earlier death's: a takeover
+            # that frees a dead execution's slot and parks behind the waiters keeps
+            # the death counted, so a step that keeps killing its worker ends dead.
+            attempt=Greatest(F("attempt") - 1, Value(0)),
         )
         return SlotAnswer("waiting", active, in_effect, tuple(woken))
 
@@ -148,13 +153,26 @@ def release(store: DjangoStore, run_id: str, position: int, *, key: str, lease: 
 
 
 def release_run(store: DjangoStore, run_id: str) -> list[tuple[str, str]]:
-    slots = _slots(store)
-    keys = sorted(set(slots.filter(run__run_id=run_id).values_list("key", flat=True)))
+    # Only while the run is ended: once retried, its rows (the retry deleted the old
+    # ones) are its new execution's, which a late release must leave alone.
+    ended = _slots(store).filter(run__run_id=run_id, run__status__in=TERMINAL_STATUSES)
+    keys = sorted(set(ended.values_list("key", flat=True)))
     woken: list[tuple[str, str]] = []
     for key in keys:  # one key at a time, as admission locks them
         with transaction.atomic(using=store.using):
             override = _lock(store, key)
-            slots.filter(run__run_id=run_id, key=key).delete()
+            ended.filter(key=key).delete()
+            woken += [(key, r) for r in _hand_off(store, key, override)[0]]
+    return woken
+
+
+def hand_off_keys(store: DjangoStore, keys: Sequence[str]) -> list[tuple[str, str]]:
+    slots = _slots(store)
+    waited = set(slots.filter(key__in=list(keys), status="waiting").values_list("key", flat=True))
+    woken: list[tuple[str, str]] = []
+    for key in sorted(waited):  # one key at a time, as admission locks them
+        with transaction.atomic(using=store.using):
+            override = _lock(store, key)
             woken += [(key, r) for r in _hand_off(store, key, override)[0]]
     return woken
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from datetime import timedelta
 from typing import Any
@@ -21,7 +22,7 @@ from durable import (
 from durable import (
     engine as default_engine,
 )
-from durable.exceptions import NonDeterminismError, RunFailedError, RunTerminalError
+from durable.exceptions import NonDeterminismError, RunFailedError, RunTerminalError, SignalTimeout
 from durable.runtime import Registry, inline_dispatch
 from durable.stores import StepEntry
 from durable.tasks import CeleryDispatcher
@@ -385,6 +386,94 @@ def test_workflows_modules_are_autodiscovered() -> None:
     definition = default_engine.registry.current("chat.turn")
     assert definition.version == "1"
     assert definition.concurrency[0].limit == 8
+
+
+def test_retry_runs_again_the_failure_that_ended_the_run_and_keeps_the_caught_ones(queued: Engine) -> None:
+    calls: list[str] = []
+    failing = {"flaky", "save"}
+
+    def call(name: str) -> str:
+        calls.append(name)
+        if name in failing:
+            raise ValueError(f"{name} is down")
+        return name
+
+    def body(ctx: Any, input: Any) -> Any:
+        try:
+            first = ctx.step("flaky", call, "flaky")
+        except ValueError:
+            first = ctx.step("fallback", call, "fallback")  # the run took this branch
+        with contextlib.suppress(SignalTimeout):  # a caught timeout is a failed journal entry too
+            ctx.wait_for_signal("approval", timeout=0)
+        return [first, ctx.step("save", call, "save")]
+
+    queued.register("w", "1", body)
+    handle = queued.start("w", {})
+    queued.execute(handle.run_id)
+    assert handle.refresh().status == RunStatus.FAILED
+    assert calls == ["flaky", "fallback", "save"]
+    failing.clear()  # flaky would succeed now: the retry must not take that branch
+    queued.retry(handle.run_id)
+    queued.execute(handle.run_id)
+    assert handle.result(timeout=1) == ["fallback", "save"]
+    assert calls == ["flaky", "fallback", "save", "save"]  # only the step that ended the run ran again
+    outcomes = [(s.name, s.outcome) for s in queued.store.load_steps(handle.run_id)]
+    assert outcomes == [
+        ("flaky", "failed"),
+        ("fallback", "completed"),
+        ("durable.signal:approval", "failed"),
+        ("save", "completed"),
+    ]
+
+
+def test_retry_runs_again_a_failed_step_the_workflow_handled_by_failing(queued: Engine) -> None:
+    calls: list[str] = []
+
+    def call() -> str:
+        calls.append("call")
+        if len(calls) == 1:
+            raise ValueError("down")
+        return "ok"
+
+    def body(ctx: Any, input: Any) -> Any:
+        try:
+            return ctx.step("s", call)
+        except ValueError as exc:
+            raise RuntimeError("giving up") from exc  # the step's failure ends the run, as another error
+
+    queued.register("w", "1", body)
+    handle = queued.start("w", {})
+    queued.execute(handle.run_id)
+    assert handle.refresh().record.error["message"] == "giving up"
+    queued.retry(handle.run_id)
+    queued.execute(handle.run_id)
+    assert handle.result(timeout=1) == "ok"
+    assert calls == ["call", "call"]
+
+
+def test_retry_of_a_cancelled_run_keeps_the_failures_it_caught(queued: Engine) -> None:
+    calls: list[str] = []
+
+    def call() -> str:
+        calls.append("call")
+        raise ValueError("down")
+
+    def body(ctx: Any, input: Any) -> Any:
+        with contextlib.suppress(ValueError):
+            ctx.step("s", call)
+        ctx.wait_for_signal("go")
+        return "done"
+
+    queued.register("w", "1", body)
+    handle = queued.start("w", {})
+    queued.execute(handle.run_id)
+    handle.cancel()
+    queued.retry(handle.run_id)
+    queued.execute(handle.run_id)
+    queued.signal(handle.run_id, "go")
+    queued.execute(handle.run_id)
+    assert handle.result(timeout=1) == "done"
+    assert calls == ["call"]
 
 
 def test_retry_takes_the_quota_checked_now_not_a_stale_tag(queued: Engine) -> None:
