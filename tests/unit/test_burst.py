@@ -260,3 +260,26 @@ def test_the_quotas_command_shows_the_burst() -> None:
     acme, pool = rows["tenant:a"], rows["global"]
     assert (acme["guaranteed"], acme["borrowed"], acme["pool"], acme["pool_active"], acme["up_to"]) == (1, 1, "global", 1, 4)
     assert (pool["is_pool"], pool["active"]) == (True, 1)
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [
+        [bursting(limit=2, up_to=10), Concurrency(key=tenant, limit=5)],
+        [Concurrency(key=tenant, limit=5), bursting(limit=2, up_to=10)],
+        [Concurrency(key=tenant, limit=1), bursting(limit=2, up_to=10)],
+        [bursting(limit=2, up_to=10), bursting(limit=1, up_to=3, pool="other")],
+    ],
+    ids=["burst-then-plain", "plain-then-burst", "plain-smaller", "two-bursts"],
+)
+def test_a_burst_sharing_its_key_with_another_entry_is_refused_creating_nothing(engine: Engine, entries: Any) -> None:
+    # "The smaller limit applies" compared limits only: limit=2 with up_to=10 won over a plain
+    # limit=5 on the same key, and 10 runs of the tenant were admitted.
+    engine.register("w", "1", lambda ctx, input: None, concurrency=entries)
+    with pytest.raises(InvalidStartError, match="resolve to the key 'tenant:a' and one has a burst"):
+        start(engine)
+    assert engine.list_runs() == []
+    engine.register(
+        "w", "1", lambda ctx, input: None, concurrency=[bursting(limit=2, up_to=10), Concurrency(key="plan", limit=5)]
+    )
+    assert start(engine).record.tags == ["concurrency:plan", "concurrency:tenant:a"]  # other keys mix as before
