@@ -1,7 +1,7 @@
 -- durable_admit: the whole REJECT admission of a start in one round trip (PostgreSQL).
--- Installed by migration 0017 (0004 installed the first version, 0006 the second,
--- 0011 the third, 0012 the fourth); a change here needs a new file in
--- durable/sql/migrations/ and a migration that runs it.
+-- Installed by migration 0018 (0004 installed the first version, 0006 the second,
+-- 0011 the third, 0012 the fourth, 0017 the fifth); a change here needs a new
+-- file in durable/sql/migrations/ and a migration that runs it.
 --
 -- p_quotas: [{"key", "limit", "statuses": [...], "group", "burst"?, "pool_limit"?,
 -- "lock_pool"?}], sorted by key; "limit" is the code's limit: an operator's
@@ -50,7 +50,10 @@
 -- and if it is busy (or its row does not exist yet) the function raises
 -- lock_not_available (55P03), ending its transaction or savepoint: the caller
 -- then calls again with "lock_pool": true, which locks the pool with the keys,
--- in key order, from the start.
+-- in key order, from the start. A pool's row always records the statuses of
+-- the burst that names it (a pool counts the default statuses), never those of
+-- the key it is locked beside (0017 wrote a plain key's narrower count_statuses
+-- there, and hand-offs on the pool then over-filled it).
 -- 0012 added the columns durations and oldest_age to the result, 0017 the column burst:
 -- the function is dropped first.
 DROP FUNCTION IF EXISTS durable_admit(jsonb, text, text, text, text, text, jsonb, text, text, boolean);
@@ -93,6 +96,7 @@ DECLARE
     v_pool text;
     v_pool_limit integer;
     v_pool_active bigint;
+    v_pool_statuses jsonb;
     v_estimate text;
     v_held text[] := '{}';
     v_borrows jsonb := '[]'::jsonb;
@@ -143,16 +147,20 @@ BEGIN
             v_code_limit := (q->>'limit')::integer;
             v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
             IF v_bursting THEN
-                -- A retry's pools, locked with the keys in key order.
-                FOR v_pool, v_pool_limit IN
-                    SELECT d.pool, d.pool_limit FROM (
-                        SELECT DISTINCT e.value->'burst'->>'pool' AS pool, (e.value->>'pool_limit')::integer AS pool_limit
+                -- A retry's pools, locked with the keys in key order, each with the
+                -- statuses of the burst naming it (not those of the key q).
+                FOR v_pool, v_pool_limit, v_pool_statuses IN
+                    SELECT d.pool, d.pool_limit, d.statuses FROM (
+                        SELECT DISTINCT ON (e.value->'burst'->>'pool')
+                               e.value->'burst'->>'pool' AS pool, (e.value->>'pool_limit')::integer AS pool_limit,
+                               e.value->'statuses' AS statuses
                           FROM jsonb_array_elements(p_quotas) AS e
-                         WHERE (e.value->>'lock_pool')::boolean) AS d
+                         WHERE (e.value->>'lock_pool')::boolean
+                         ORDER BY e.value->'burst'->>'pool', e.value->>'key' COLLATE "C") AS d
                      WHERE d.pool COLLATE "C" < v_key COLLATE "C" AND NOT d.pool = ANY (v_held)
                      ORDER BY d.pool COLLATE "C"
                 LOOP
-                    PERFORM durable_lock_pool(v_pool, v_pool_limit, q->'statuses', true);
+                    PERFORM durable_lock_pool(v_pool, v_pool_limit, v_pool_statuses, true);
                     v_held := v_held || v_pool;
                 END LOOP;
                 v_held := v_held || v_key;
