@@ -3,8 +3,9 @@
 ``durable_admit``'s second call (``"lock_pool": true``) recorded on a pool's row
 the ``count_statuses`` of whichever key it was locked beside (a plain quota's
 narrower statuses), so ``durable_promote`` then counted the pool with them and
-over-filled it; it now records those of the burst naming the pool. The
-function's signature and columns are unchanged. Reversing runs 0017's file
+over-filled it; it now records those of the burst naming the pool. A start
+admitted with a burst is answered the keys that borrowed (``burst.keys``), not
+only the pools. The function's signature and columns are unchanged. Reversing runs 0017's file
 again (which drops and creates ``durable_admit`` and replaces its helpers).
 """
 

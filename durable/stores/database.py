@@ -19,7 +19,7 @@ from django.db.models.functions import Coalesce, Concat
 from django.utils import timezone
 
 from durable import conf, exceptions
-from durable.concurrency import TAG_PREFIX, Quota, Strategy, replaced_error
+from durable.concurrency import BORROWED_PREFIX, TAG_PREFIX, Quota, Strategy, replaced_error
 from durable.status import TERMINAL_STATUSES, RunStatus
 from durable.stores import slots
 from durable.stores.base import (
@@ -315,8 +315,9 @@ class DjangoStore(BaseStore):
         if outcome == "exists":
             raise RunExists(record.run_id)
         if burst_detail:
+            # The function answers which keys borrowed: a key on a used pool may be within its limit.
             borrowed = [TAG_PREFIX + pool for pool in burst_detail["borrowed"]]
-            borrowed += [q.borrowed_tag for q in ordered if q.burst is not None and TAG_PREFIX + q.burst.pool in borrowed]
+            borrowed += [BORROWED_PREFIX + key for key in burst_detail["keys"]]
             record.tags = list(dict.fromkeys([q.tag for q in ordered] + borrowed))
         return True
 

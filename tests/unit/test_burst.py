@@ -283,3 +283,22 @@ def test_a_burst_sharing_its_key_with_another_entry_is_refused_creating_nothing(
         "w", "1", lambda ctx, input: None, concurrency=[bursting(limit=2, up_to=10), Concurrency(key="plan", limit=5)]
     )
     assert start(engine).record.tags == ["concurrency:plan", "concurrency:tenant:a"]  # other keys mix as before
+
+
+def test_the_handle_marks_borrowed_only_the_keys_that_borrowed(engine: Engine) -> None:
+    # Two keys with bursts on one pool: tenant:a borrows, user:1 is within its limit. On
+    # PostgreSQL the handle marked every burst key on a used pool borrowed.
+    both = [
+        Concurrency(key="tenant:a", limit=1, burst=Burst(pool="global", up_to=3)),
+        Concurrency(key="user:1", limit=3, burst=Burst(pool="global", up_to=3)),
+    ]
+    engine.register("w", "1", lambda ctx, input: None, concurrency=both)
+    engine.start("w", {})
+    second = engine.start("w", {})
+    expected = ["borrowed:tenant:a", "concurrency:global", "concurrency:tenant:a", "concurrency:user:1"]
+    assert sorted(second.record.tags) == expected
+    assert (count(engine, "borrowed:tenant:a"), count(engine, "borrowed:user:1"), count(engine, "concurrency:global")) == (
+        1,
+        0,
+        1,
+    )

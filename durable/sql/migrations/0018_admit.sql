@@ -14,7 +14,8 @@
 -- of: durations, the key's recent run durations (recent_durations, kept by
 -- durable_end), and oldest_age, the seconds its oldest run in flight has held
 -- its slot) or 'exists' (the run id is taken). burst: NULL, except for a start
--- with a burst: on 'created' {"borrowed": [pools the run borrows from]}, on a
+-- with a burst: on 'created' {"borrowed": [pools the run borrows from], "keys":
+-- [its keys that borrow] (0018: a key within its limit does not), on a
 -- refusal by a key with a burst {"source": "pool" | "up_to", "pool",
 -- "pool_limit", "pool_active", "up_to", "borrowed"} (the estimate is then the
 -- pool's when the pool refused).
@@ -307,8 +308,9 @@ BEGIN
                LATERAL (VALUES ('concurrency:' || (e.value->'q'->'burst'->>'pool')),
                                ('borrowed:' || (e.value->'q'->>'key'))) AS x(tag)
          WHERE NOT EXISTS (SELECT 1 FROM jsonb_array_elements(p_quotas) AS o WHERE 'concurrency:' || (o.value->>'key') = x.tag);
-        v_burst := jsonb_build_object('borrowed', ARRAY(
-            SELECT DISTINCT e.value->'q'->'burst'->>'pool' FROM jsonb_array_elements(v_borrows) AS e ORDER BY 1));
+        v_burst := jsonb_build_object(
+            'borrowed', ARRAY(SELECT DISTINCT e.value->'q'->'burst'->>'pool' FROM jsonb_array_elements(v_borrows) AS e ORDER BY 1),
+            'keys', ARRAY(SELECT e.value->'q'->>'key' FROM jsonb_array_elements(v_borrows) AS e ORDER BY 1));
     END IF;
     RETURN QUERY SELECT 'created'::text, NULL::text, NULL::integer, NULL::bigint, v_pk, NULL::jsonb,
                         NULL::double precision, v_burst;
