@@ -4,7 +4,7 @@
 -- file in durable/sql/migrations/ and a migration that runs it.
 --
 -- p_quotas: [{"key", "limit", "statuses": [...], "group", "burst"?, "pool_limit"?,
--- "lock_pool"?}], sorted by key; "limit" is the code's limit: an operator's
+-- "lock_pool"?, "nowait"?}], sorted by key; "limit" is the code's limit: an operator's
 -- override on the key's row (limit_override) replaces it, read in the statement
 -- that counts (step 1) and again under the row's lock (step 2), so a change
 -- committed before a start applies to it.
@@ -48,13 +48,17 @@
 -- The pool is locked after every key, only when a run borrows: a lock is waited
 -- for only when it sorts after every lock held (as every other locker of durable
 -- does, so no deadlock); a pool sorting before a key held is taken with NOWAIT,
--- and if it is busy (or its row does not exist yet) the function raises
--- lock_not_available (55P03), ending its transaction or savepoint: the caller
--- then calls again with "lock_pool": true, which locks the pool with the keys,
--- in key order, from the start. A pool's row always records the statuses of
--- the burst that names it (a pool counts the default statuses), never those of
--- the key it is locked beside (0017 wrote a plain key's narrower count_statuses
--- there, and hand-offs on the pool then over-filled it).
+-- and if it is busy the function raises lock_not_available (55P03; a missing
+-- row is created, see durable_lock_pool), ending its transaction or savepoint:
+-- the caller then calls again with "lock_pool": true, which locks the pool with
+-- the keys, in key order, from the start. With "nowait": true (0018: a start
+-- inside the caller's own transaction, which may hold keys of earlier starts
+-- sorting after the pool) a pool is never waited for: it is taken with NOWAIT
+-- wherever it sorts, and the caller calls again (a bounded number of times) or
+-- gives up. A pool's row always records the statuses of the burst that names it
+-- (a pool counts the default statuses), never those of the key it is locked
+-- beside (0017 wrote a plain key's narrower count_statuses there, and hand-offs
+-- on the pool then over-filled it).
 -- 0012 added the columns durations and oldest_age to the result, 0017 the column burst:
 -- the function is dropped first.
 DROP FUNCTION IF EXISTS durable_admit(jsonb, text, text, text, text, text, jsonb, text, text, boolean);
@@ -101,9 +105,11 @@ DECLARE
     v_estimate text;
     v_held text[] := '{}';
     v_borrows jsonb := '[]'::jsonb;
+    v_nowait boolean;
     b jsonb;
 BEGIN
     v_bursting := jsonb_path_exists(p_quotas, '$[*].burst');
+    v_nowait := jsonb_path_exists(p_quotas, '$[*] ? (@.nowait == true)');
     FOR q IN SELECT value FROM jsonb_array_elements(p_quotas) LOOP
         v_key := q->>'key';
         v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
@@ -161,7 +167,7 @@ BEGIN
                      WHERE d.pool COLLATE "C" < v_key COLLATE "C" AND NOT d.pool = ANY (v_held)
                      ORDER BY d.pool COLLATE "C"
                 LOOP
-                    PERFORM durable_lock_pool(v_pool, v_pool_limit, v_pool_statuses, true);
+                    PERFORM durable_lock_pool(v_pool, v_pool_limit, v_pool_statuses, NOT v_nowait);
                     v_held := v_held || v_pool;
                 END LOOP;
                 v_held := v_held || v_key;
@@ -223,9 +229,10 @@ BEGIN
             v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
             v_pool := q->'burst'->>'pool';
             IF NOT v_pool = ANY (v_held) THEN
-                -- Waited for only when it sorts after every lock held; else NOWAIT (55P03 if busy).
+                -- Waited for only when it sorts after every lock held (and never with
+                -- "nowait"); else NOWAIT (55P03 if busy).
                 v_override := durable_lock_pool(v_pool, (q->>'pool_limit')::integer, q->'statuses',
-                    v_pool COLLATE "C" > (SELECT max(h COLLATE "C") FROM unnest(v_held) AS h));
+                    NOT v_nowait AND v_pool COLLATE "C" > (SELECT max(h COLLATE "C") FROM unnest(v_held) AS h));
                 v_held := v_held || v_pool;
             ELSE
                 SELECT l.limit_override INTO v_override FROM durable_concurrencylock l WHERE l.key = v_pool;
@@ -342,10 +349,12 @@ LANGUAGE sql IMMUTABLE AS $$
 $$;
 
 -- durable_lock_pool: lock the row of pool p_pool for durable_admit (creating it
--- first when p_wait and it does not exist) and record its limit (p_limit, from
+-- first when it does not exist) and record its limit (p_limit, from
 -- DURABLE["POOLS"]) and count_statuses on it; returns its limit_override. With
--- p_wait false (the pool sorts before a lock held) it never waits: a busy or
--- missing row raises lock_not_available.
+-- p_wait false (the pool sorts before a lock held, or the start is inside the
+-- caller's transaction) it never waits for the row: a busy row raises
+-- lock_not_available, and a missing row is created waiting at most 50 ms for a
+-- concurrent creation of it (lock_timeout: lock_not_available too).
 CREATE OR REPLACE FUNCTION durable_lock_pool(
     p_pool text,
     p_limit integer,
@@ -355,6 +364,7 @@ CREATE OR REPLACE FUNCTION durable_lock_pool(
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_override integer;
+    v_lock_timeout text;
 BEGIN
     IF p_wait THEN
         SELECT l.limit_override INTO v_override FROM durable_concurrencylock l WHERE l.key = p_pool FOR UPDATE;
@@ -366,8 +376,18 @@ BEGIN
     ELSE
         SELECT l.limit_override INTO v_override FROM durable_concurrencylock l WHERE l.key = p_pool FOR UPDATE NOWAIT;
         IF NOT FOUND THEN
-            RAISE EXCEPTION USING ERRCODE = 'lock_not_available',
-                MESSAGE = 'durable: the row of pool ' || p_pool || ' does not exist yet';
+            -- An INSERT waits for a concurrent, uncommitted insert of the same key: bounded.
+            -- (An error ends the caller's transaction or savepoint, which resets the setting.)
+            v_lock_timeout := current_setting('lock_timeout');
+            PERFORM set_config('lock_timeout', '50ms', true);
+            INSERT INTO durable_concurrencylock (key, "limit", count_statuses, rr_cursor)
+            VALUES (p_pool, p_limit, p_statuses, '') ON CONFLICT (key) DO NOTHING;
+            PERFORM set_config('lock_timeout', v_lock_timeout, true);
+            SELECT l.limit_override INTO v_override FROM durable_concurrencylock l WHERE l.key = p_pool FOR UPDATE NOWAIT;
+            IF NOT FOUND THEN
+                RAISE EXCEPTION USING ERRCODE = 'lock_not_available',
+                    MESSAGE = 'durable: the row of pool ' || p_pool || ' was deleted meanwhile';
+            END IF;
         END IF;
     END IF;
     UPDATE durable_concurrencylock l SET "limit" = p_limit, count_statuses = p_statuses

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from durable import Burst, Concurrency, ConcurrencyLimitError, DjangoStore, Engine, RunStatus, Strategy
-from durable.exceptions import ChildWorkflowError, InvalidStartError
+from durable import Burst, Concurrency, ConcurrencyLimitError, DjangoStore, Engine, RunStatus, Strategy, http
+from durable.exceptions import ChildWorkflowError, InvalidStartError, PoolBusyError
 from durable.status import DEFAULT_CONCURRENCY_STATUSES
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -302,3 +302,12 @@ def test_the_handle_marks_borrowed_only_the_keys_that_borrowed(engine: Engine) -
         0,
         1,
     )
+
+
+def test_a_busy_pool_inside_a_transaction_answers_503_with_retry_after() -> None:
+    exc = PoolBusyError(workflow="w", pools=["global"], attempts=4)
+    parts = http.error_parts(exc)
+    assert parts is not None
+    status, body, headers = parts
+    assert (status, body["code"], int(headers["Retry-After"]) >= 1) == (503, "pool_busy", True)
+    assert "retry the transaction" in body["detail"]
