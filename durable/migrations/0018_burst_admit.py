@@ -5,11 +5,12 @@ the ``count_statuses`` of whichever key it was locked beside (a plain quota's
 narrower statuses), so ``durable_promote`` then counted the pool with them and
 over-filled it; it now records those of the burst naming the pool. A start
 admitted with a burst is answered the keys that borrowed (``burst.keys``), not
-only the pools. With ``"nowait"`` (a start inside the caller's transaction) a
-pool is never waited for, and ``durable_lock_pool`` creates a missing pool row
-itself (waiting at most 50 ms for a concurrent creation of it). The functions'
-signatures and columns are unchanged. Reversing runs 0017's file
-again (which drops and creates ``durable_admit`` and replaces its helpers).
+only the pools. With ``"in_transaction"`` (a start inside the caller's
+transaction, which held a lock before it) a pool is never waited for, and
+``durable_lock_pool`` creates a missing pool row itself (waiting at most 50 ms
+for a concurrent creation of it). The functions' signatures and columns are
+unchanged. Reversing runs 0017's file again (which drops and creates
+``durable_admit`` and replaces its helpers).
 """
 
 from pathlib import Path

@@ -4,7 +4,7 @@
 -- file in durable/sql/migrations/ and a migration that runs it.
 --
 -- p_quotas: [{"key", "limit", "statuses": [...], "group", "burst"?, "pool_limit"?,
--- "lock_pool"?, "nowait"?}], sorted by key; "limit" is the code's limit: an operator's
+-- "lock_pool"?, "in_transaction"?}], sorted by key; "limit" is the code's limit: an operator's
 -- override on the key's row (limit_override) replaces it, read in the statement
 -- that counts (step 1) and again under the row's lock (step 2), so a change
 -- committed before a start applies to it.
@@ -51,11 +51,15 @@
 -- and if it is busy the function raises lock_not_available (55P03; a missing
 -- row is created, see durable_lock_pool), ending its transaction or savepoint:
 -- the caller then calls again with "lock_pool": true, which locks the pool with
--- the keys, in key order, from the start. With "nowait": true (0018: a start
--- inside the caller's own transaction, which may hold keys of earlier starts
--- sorting after the pool) a pool is never waited for: it is taken with NOWAIT
--- wherever it sorts, and the caller calls again (a bounded number of times) or
--- gives up. A pool's row always records the statuses of the burst that names it
+-- the keys, in key order, from the start. With "in_transaction": true (0018: a
+-- start inside the caller's own transaction, which may hold keys of earlier
+-- starts sorting after the pool) that held a lock before the call (it has a
+-- transaction id), a pool is never waited for: it is taken with NOWAIT wherever
+-- it sorts, and the caller calls again (a bounded number of times) or gives up.
+-- A busy pool is then answered with lock_not_available whose DETAIL says whether
+-- the transaction held nothing before the call ('durable: nothing held': the
+-- caller may call again with "lock_pool": true, as outside a transaction) or
+-- not ('durable: locks held'). A pool's row always records the statuses of the burst that names it
 -- (a pool counts the default statuses), never those of the key it is locked
 -- beside (0017 wrote a plain key's narrower count_statuses there, and hand-offs
 -- on the pool then over-filled it).
@@ -105,11 +109,17 @@ DECLARE
     v_estimate text;
     v_held text[] := '{}';
     v_borrows jsonb := '[]'::jsonb;
+    v_in_transaction boolean;
+    v_fresh boolean;
     v_nowait boolean;
+    v_wait boolean;
     b jsonb;
 BEGIN
     v_bursting := jsonb_path_exists(p_quotas, '$[*].burst');
-    v_nowait := jsonb_path_exists(p_quotas, '$[*] ? (@.nowait == true)');
+    -- Inside the caller's transaction, which held no lock before this call if it has no transaction id yet.
+    v_in_transaction := jsonb_path_exists(p_quotas, '$[*] ? (@.in_transaction == true)');
+    v_fresh := pg_current_xact_id_if_assigned() IS NULL;
+    v_nowait := v_in_transaction AND NOT v_fresh;
     FOR q IN SELECT value FROM jsonb_array_elements(p_quotas) LOOP
         v_key := q->>'key';
         v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
@@ -229,10 +239,19 @@ BEGIN
             v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
             v_pool := q->'burst'->>'pool';
             IF NOT v_pool = ANY (v_held) THEN
-                -- Waited for only when it sorts after every lock held (and never with
-                -- "nowait"); else NOWAIT (55P03 if busy).
-                v_override := durable_lock_pool(v_pool, (q->>'pool_limit')::integer, q->'statuses',
-                    NOT v_nowait AND v_pool COLLATE "C" > (SELECT max(h COLLATE "C") FROM unnest(v_held) AS h));
+                -- Waited for only when it sorts after every lock held (and never inside a
+                -- transaction that held locks before); else NOWAIT (55P03 if busy).
+                v_wait := NOT v_nowait AND v_pool COLLATE "C" > (SELECT max(h COLLATE "C") FROM unnest(v_held) AS h);
+                IF v_in_transaction AND NOT v_wait THEN
+                    -- A busy pool says whether the transaction held anything before this call.
+                    PERFORM 1 FROM durable_concurrencylock l WHERE l.key = v_pool FOR UPDATE SKIP LOCKED;
+                    IF NOT FOUND AND EXISTS (SELECT 1 FROM durable_concurrencylock l WHERE l.key = v_pool) THEN
+                        RAISE EXCEPTION USING ERRCODE = 'lock_not_available',
+                            MESSAGE = 'durable: the row of pool ' || v_pool || ' is locked by another transaction',
+                            DETAIL = CASE WHEN v_fresh THEN 'durable: nothing held' ELSE 'durable: locks held' END;
+                    END IF;
+                END IF;
+                v_override := durable_lock_pool(v_pool, (q->>'pool_limit')::integer, q->'statuses', v_wait);
                 v_held := v_held || v_pool;
             ELSE
                 SELECT l.limit_override INTO v_override FROM durable_concurrencylock l WHERE l.key = v_pool;

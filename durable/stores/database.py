@@ -354,20 +354,29 @@ class DjangoStore(BaseStore):
 
         That transaction may hold keys of earlier starts that sort after the pool, and
         a savepoint's rollback does not release them: waiting for the pool could close
-        a cycle of waits. So the pool is never waited for ("nowait": NOWAIT wherever it
-        sorts), only locked when the run borrows (a guaranteed start never reads it),
-        and a busy pool is tried again a few times, each call in a savepoint (which
-        releases what the call locked), after a short back-off; then ``PoolBusyError``
-        (docs/explanation/burst.md, "inside your transaction")."""
+        a cycle of waits. So, once it holds any lock (durable_admit tells: it has a
+        transaction id), the pool is never waited for (NOWAIT wherever it sorts), only
+        locked when the run borrows (a guaranteed start never reads it), and a busy
+        pool is tried again a few times, each call in a savepoint (which releases what
+        the call locked), after a short back-off; then ``PoolBusyError``. A transaction
+        that held nothing before the first call is retried as outside one: it holds
+        nothing once the savepoint is rolled back (docs/explanation/burst.md, "Inside
+        your own transaction")."""
         for entry in payload:
             if "burst" in entry:
-                entry.update(lock_pool=False, nowait=True)
+                entry.update(lock_pool=False, in_transaction=True)
         for attempt, pause in enumerate((*_POOL_BACKOFF, None), start=1):
             try:
                 return self._call_admit(connection, payload, record, count_namespace, run_id_given, retry=True)
             except OperationalError as exc:
                 if getattr(exc.__cause__, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
                     raise
+                detail = getattr(getattr(exc.__cause__, "diag", None), "message_detail", None)
+                if attempt == 1 and detail == _NOTHING_HELD:
+                    for entry in payload:
+                        if "burst" in entry:
+                            entry.update(lock_pool=True, in_transaction=False)
+                    return self._call_admit(connection, payload, record, count_namespace, run_id_given, retry=False)
                 if pause is None:
                     pools = sorted({q.burst.pool for q in ordered if q.burst is not None})
                     raise exceptions.PoolBusyError(workflow=record.workflow, pools=pools, attempts=attempt) from exc
@@ -939,6 +948,8 @@ _LOCK_NOT_AVAILABLE = "55P03"
 #: The pauses between the calls of ``durable_admit`` that find a burst pool busy inside
 #: the caller's transaction (4 calls in about 0.2 s), before ``PoolBusyError``.
 _POOL_BACKOFF = (0.02, 0.05, 0.1)
+#: durable_admit's DETAIL of a busy pool inside a transaction that held no lock before the call.
+_NOTHING_HELD = "durable: nothing held"
 
 #: How many calls of ``durable_promote`` one promote makes at most (each further one
 #: takes first the locks the call before found busy out of key order).

@@ -62,12 +62,27 @@ def lock(key: str) -> None:
         cursor.execute("SELECT 1 FROM durable_concurrencylock WHERE key = %s FOR UPDATE NOWAIT", [key])
 
 
-def test_a_busy_pool_is_waited_for_in_key_order_holding_nothing(engine: Engine, calls: list[str]) -> None:
+def held_something() -> None:
+    """The current transaction did something before (it has a transaction id), as an
+    earlier start or any write of the caller would."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_current_xact_id()")
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["autocommit", "in-a-transaction-holding-nothing"])
+def test_a_busy_pool_is_waited_for_in_key_order_holding_nothing(engine: Engine, calls: list[str], atomic: bool) -> None:
     engine.start("w", {}), engine.start("w", {})  # the guarantee, then a borrowed run (the pool's row exists)
     calls.clear()
 
     def borrow() -> list[str]:
-        return sorted(engine.start("w", {}).record.tags)
+        if atomic:  # a transaction that held no lock before: the retry holds nothing either
+            with transaction.atomic():
+                handle = engine.start("w", {})
+                with connection.cursor() as cursor:  # the transaction is still usable after the retry
+                    cursor.execute("SELECT 1")
+        else:
+            handle = engine.start("w", {})
+        return sorted(handle.record.tags)
 
     with held_open(lambda: lock("aa-pool")):
         borrower = started(borrow)
@@ -92,6 +107,7 @@ def test_inside_a_transaction_a_busy_pool_is_never_waited_for(engine: Engine, ca
     engine.start("w", {}), engine.start("w", {})
     calls.clear()
     with held_open(lambda: lock("aa-pool")), transaction.atomic():
+        held_something()  # else it would wait for the pool in key order, holding nothing
         with pytest.raises(PoolBusyError) as busy:
             engine.start("w", {})
         with connection.cursor() as cursor:  # the transaction is still usable
@@ -130,6 +146,7 @@ def test_inside_a_transaction_a_pool_freed_between_attempts_is_taken(engine: Eng
 
     monkeypatch.setattr(DjangoStore, "_call_admit", free_the_pool_after_the_first_attempt)
     with transaction.atomic():
+        held_something()
         handle = engine.start("w", {})
     assert seen == ["55P03", "ok"]
     assert sorted(handle.record.tags) == ["borrowed:tenant:x", "concurrency:aa-pool", "concurrency:tenant:x"]
