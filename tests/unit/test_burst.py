@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from durable import Burst, Concurrency, ConcurrencyLimitError, DjangoStore, Engine, RunStatus, Strategy, http
-from durable.exceptions import ChildWorkflowError, InvalidStartError, PoolBusyError
+from durable.exceptions import ChildWorkflowError, InvalidStartError, PoolBusyError, StoreUnavailable
+from durable.runtime import context
 from durable.status import DEFAULT_CONCURRENCY_STATUSES
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -311,3 +312,12 @@ def test_a_busy_pool_inside_a_transaction_answers_503_with_retry_after() -> None
     status, body, headers = parts
     assert (status, body["code"], int(headers["Retry-After"]) >= 1) == (503, "pool_busy", True)
     assert "retry the transaction" in body["detail"]
+
+
+def test_a_busy_pool_met_by_a_workflow_body_is_durables_infrastructure_not_the_runs_failure() -> None:
+    # ctx.start_child inside a transaction: the execution is tried again, as after a database error.
+    with pytest.raises(StoreUnavailable) as info, context._store_call():
+        raise PoolBusyError(workflow="child", pools=["global"], attempts=4)
+    assert isinstance(info.value.__cause__, PoolBusyError)
+    with pytest.raises(ConcurrencyLimitError), context._store_call():  # a refusal still passes
+        raise ConcurrencyLimitError(workflow="child", key="k", limit=1, active=1)
