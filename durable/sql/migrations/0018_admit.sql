@@ -59,10 +59,11 @@
 -- A busy pool is then answered with lock_not_available whose DETAIL says whether
 -- the transaction held nothing before the call ('durable: nothing held': the
 -- caller may call again with "lock_pool": true, as outside a transaction) or
--- not ('durable: locks held'). A pool's row always records the statuses of the burst that names it
--- (a pool counts the default statuses), never those of the key it is locked
--- beside (0017 wrote a plain key's narrower count_statuses there, and hand-offs
--- on the pool then over-filled it).
+-- not ('durable: locks held').
+-- A pool's row always records the statuses of the burst that names it (a pool
+-- counts the default statuses), never those of the key it is locked beside
+-- (0017 wrote a plain key's narrower count_statuses there, and hand-offs on the
+-- pool then over-filled it).
 -- 0012 added the columns durations and oldest_age to the result, 0017 the column burst:
 -- the function is dropped first.
 DROP FUNCTION IF EXISTS durable_admit(jsonb, text, text, text, text, text, jsonb, text, text, boolean);
