@@ -323,7 +323,8 @@ class DjangoStore(BaseStore):
         run_id_given: bool,
         ordered: Sequence[Quota],
     ) -> tuple[Any, ...]:
-        """``durable_admit`` outside the caller's transaction (it holds no other lock).
+        """``durable_admit`` of a start outside the caller's transaction (it holds no other
+        lock), or without a burst.
 
         A pool sorting before one of the keys is taken with NOWAIT: if it is busy the
         call raises lock_not_available, and is made again with every pool locked with
