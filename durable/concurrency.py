@@ -307,6 +307,8 @@ def resolve(specs: Sequence[Concurrency], input: Any, *, limits: Limits | None =
         burst = None if spec.burst is None else PoolBurst(spec.burst.pool, spec.burst.up_to, pool_limit(spec.burst.pool))
         quota = Quota(key, limit, tuple(spec.count_statuses), Strategy(spec.strategy), spec.max_queued, burst)
         previous = quotas.get(key)
+        if previous is not None and (previous.burst is not None or quota.burst is not None):
+            raise _burst_shares_key(key)
         if previous is not None and previous.limit <= quota.limit:
             continue
         quotas[key] = quota
@@ -379,6 +381,16 @@ def _check_burst(spec: Concurrency) -> None:
             f"Burst(up_to={spec.burst.up_to}) is the most runs of the key in flight in all, guaranteed "
             f"(limit={spec.limit}) and borrowed: it must be at least the limit."
         )
+
+
+def _burst_shares_key(key: str) -> exceptions.InvalidStartError:
+    """Two entries of one start resolve to ``key`` and one of them has a burst: which
+    ceiling applies (the plain entry's limit, or the burst's up_to) is ambiguous."""
+    return exceptions.InvalidStartError(
+        f"Two concurrency entries of this start resolve to the key {key!r} and one has a burst: a key "
+        "with a Burst takes no other entry (the plain entry's limit would not bound the burst's up_to). "
+        "Keep one entry for the key: its limit is the guarantee, Burst(up_to=...) its ceiling."
+    )
 
 
 def _check_pools(quotas: Sequence[Quota]) -> None:

@@ -148,6 +148,31 @@ class ConcurrencyQueueFullError(ConcurrencyLimitError):
         )
 
 
+class PoolBusyError(DurableError):
+    """A start inside your transaction that would borrow from its burst pool found the
+    pool locked by another transaction: retry your transaction shortly."""
+
+    code = "pool_busy"
+
+    workflow: str
+    #: The pools the start's bursts borrow from (one of them was busy).
+    pools: list[str]
+    #: How many times the start was tried.
+    attempts: int
+
+    def __init__(self, *, workflow: str, pools: list[str], attempts: int) -> None:
+        super().__init__(
+            f"A start of workflow {workflow!r} inside your transaction would borrow from its burst pool "
+            f"({', '.join(map(repr, pools))}), which stayed locked by another transaction through {attempts} "
+            "attempts: durable never waits for a pool inside your transaction (it may hold keys sorting after "
+            "the pool, and waiting could deadlock). Nothing was created; retry the transaction shortly, or "
+            "start the run outside it.",
+            workflow=workflow,
+            pools=pools,
+            attempts=attempts,
+        )
+
+
 class InvalidStartError(DurableError, ValueError):
     """The start was refused because its input or concurrency settings are invalid."""
 

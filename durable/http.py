@@ -31,6 +31,7 @@ _STATUS_BY_ERROR: tuple[tuple[type[exceptions.DurableError], int], ...] = (
     (exceptions.ScheduleNotFound, HTTPStatus.NOT_FOUND),
     (exceptions.RunTerminalError, HTTPStatus.CONFLICT),
     (exceptions.RunIdTaken, HTTPStatus.CONFLICT),
+    (exceptions.PoolBusyError, HTTPStatus.SERVICE_UNAVAILABLE),
 )
 
 #: Extra fields of a ``ConcurrencyQueueFullError`` copied into the 429 body.
@@ -56,7 +57,8 @@ def error_parts(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]
     ``pool_limit``, ``pool_active``, ``up_to`` and ``borrowed`` for a key with a burst); ``InvalidStartError``
     and ``InvalidScheduleError`` -> 400; ``UnknownWorkflowError``, ``RunNotFound``
     and ``ScheduleNotFound`` -> 404; ``RunTerminalError`` and ``RunIdTaken`` ->
-    409, each with ``{"detail", "code"}``.
+    409, each with ``{"detail", "code"}``; ``PoolBusyError`` -> 503 with
+    ``Retry-After`` (``DURABLE["RETRY_AFTER"]``) and ``{"detail", "code"}``.
     """
     if not isinstance(exc, exceptions.DurableError):
         return None
@@ -74,6 +76,8 @@ def error_parts(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]
         seconds = retry_after(exc)
         data["retry_after"] = seconds
         headers["Retry-After"] = str(seconds)
+    elif isinstance(exc, exceptions.PoolBusyError):
+        headers["Retry-After"] = str(retry_after())
     return int(status), data, headers
 
 

@@ -455,9 +455,13 @@ def _store_call() -> Iterator[None]:
     """Around durable's own store calls from the body: their errors (a dropped
     connection, a database restart) are not the workflow's, so they leave as
     ``StoreUnavailable``, which the body's ``except Exception`` does not catch.
-    Durable's own refusals (``DurableError``: a full quota, bad child input) pass."""
+    Durable's own refusals (``DurableError``: a full quota, bad child input) pass,
+    except ``PoolBusyError`` (a busy burst pool inside a transaction): the execution
+    is tried again, as after a database error."""
     try:
         yield
+    except exceptions.PoolBusyError as exc:
+        raise exceptions.StoreUnavailable(str(exc)) from exc
     except exceptions.DurableError:
         raise
     except Exception as exc:

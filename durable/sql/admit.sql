@@ -1,10 +1,10 @@
 -- durable_admit: the whole REJECT admission of a start in one round trip (PostgreSQL).
--- Installed by migration 0017 (0004 installed the first version, 0006 the second,
--- 0011 the third, 0012 the fourth); a change here needs a new file in
--- durable/sql/migrations/ and a migration that runs it.
+-- Installed by migration 0018 (0004 installed the first version, 0006 the second,
+-- 0011 the third, 0012 the fourth, 0017 the fifth); a change here needs a new
+-- file in durable/sql/migrations/ and a migration that runs it.
 --
 -- p_quotas: [{"key", "limit", "statuses": [...], "group", "burst"?, "pool_limit"?,
--- "lock_pool"?}], sorted by key; "limit" is the code's limit: an operator's
+-- "lock_pool"?, "in_transaction"?}], sorted by key; "limit" is the code's limit: an operator's
 -- override on the key's row (limit_override) replaces it, read in the statement
 -- that counts (step 1) and again under the row's lock (step 2), so a change
 -- committed before a start applies to it.
@@ -14,7 +14,8 @@
 -- of: durations, the key's recent run durations (recent_durations, kept by
 -- durable_end), and oldest_age, the seconds its oldest run in flight has held
 -- its slot) or 'exists' (the run id is taken). burst: NULL, except for a start
--- with a burst: on 'created' {"borrowed": [pools the run borrows from]}, on a
+-- with a burst: on 'created' {"borrowed": [pools the run borrows from], "keys":
+-- [its keys that borrow] (0018: a key within its limit does not), on a
 -- refusal by a key with a burst {"source": "pool" | "up_to", "pool",
 -- "pool_limit", "pool_active", "up_to", "borrowed"} (the estimate is then the
 -- pool's when the pool refused).
@@ -47,10 +48,22 @@
 -- The pool is locked after every key, only when a run borrows: a lock is waited
 -- for only when it sorts after every lock held (as every other locker of durable
 -- does, so no deadlock); a pool sorting before a key held is taken with NOWAIT,
--- and if it is busy (or its row does not exist yet) the function raises
--- lock_not_available (55P03), ending its transaction or savepoint: the caller
--- then calls again with "lock_pool": true, which locks the pool with the keys,
--- in key order, from the start.
+-- and if it is busy the function raises lock_not_available (55P03; a missing
+-- row is created, see durable_lock_pool), ending its transaction or savepoint:
+-- the caller then calls again with "lock_pool": true, which locks the pool with
+-- the keys, in key order, from the start. With "in_transaction": true (0018: a
+-- start inside the caller's own transaction, which may hold keys of earlier
+-- starts sorting after the pool) that held a lock before the call (it has a
+-- transaction id), a pool is never waited for: it is taken with NOWAIT wherever
+-- it sorts, and the caller calls again (a bounded number of times) or gives up.
+-- A busy pool is then answered with lock_not_available whose DETAIL says whether
+-- the transaction held nothing before the call ('durable: nothing held': the
+-- caller may call again with "lock_pool": true, as outside a transaction) or
+-- not ('durable: locks held').
+-- A pool's row always records the statuses of the burst that names it (a pool
+-- counts the default statuses), never those of the key it is locked beside
+-- (0017 wrote a plain key's narrower count_statuses there, and hand-offs on the
+-- pool then over-filled it).
 -- 0012 added the columns durations and oldest_age to the result, 0017 the column burst:
 -- the function is dropped first.
 DROP FUNCTION IF EXISTS durable_admit(jsonb, text, text, text, text, text, jsonb, text, text, boolean);
@@ -93,12 +106,21 @@ DECLARE
     v_pool text;
     v_pool_limit integer;
     v_pool_active bigint;
+    v_pool_statuses jsonb;
     v_estimate text;
     v_held text[] := '{}';
     v_borrows jsonb := '[]'::jsonb;
+    v_in_transaction boolean;
+    v_fresh boolean;
+    v_nowait boolean;
+    v_wait boolean;
     b jsonb;
 BEGIN
     v_bursting := jsonb_path_exists(p_quotas, '$[*].burst');
+    -- Inside the caller's transaction, which held no lock before this call if it has no transaction id yet.
+    v_in_transaction := jsonb_path_exists(p_quotas, '$[*] ? (@.in_transaction == true)');
+    v_fresh := pg_current_xact_id_if_assigned() IS NULL;
+    v_nowait := v_in_transaction AND NOT v_fresh;
     FOR q IN SELECT value FROM jsonb_array_elements(p_quotas) LOOP
         v_key := q->>'key';
         v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
@@ -143,16 +165,20 @@ BEGIN
             v_code_limit := (q->>'limit')::integer;
             v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
             IF v_bursting THEN
-                -- A retry's pools, locked with the keys in key order.
-                FOR v_pool, v_pool_limit IN
-                    SELECT d.pool, d.pool_limit FROM (
-                        SELECT DISTINCT e.value->'burst'->>'pool' AS pool, (e.value->>'pool_limit')::integer AS pool_limit
+                -- A retry's pools, locked with the keys in key order, each with the
+                -- statuses of the burst naming it (not those of the key q).
+                FOR v_pool, v_pool_limit, v_pool_statuses IN
+                    SELECT d.pool, d.pool_limit, d.statuses FROM (
+                        SELECT DISTINCT ON (e.value->'burst'->>'pool')
+                               e.value->'burst'->>'pool' AS pool, (e.value->>'pool_limit')::integer AS pool_limit,
+                               e.value->'statuses' AS statuses
                           FROM jsonb_array_elements(p_quotas) AS e
-                         WHERE (e.value->>'lock_pool')::boolean) AS d
+                         WHERE (e.value->>'lock_pool')::boolean
+                         ORDER BY e.value->'burst'->>'pool', e.value->>'key' COLLATE "C") AS d
                      WHERE d.pool COLLATE "C" < v_key COLLATE "C" AND NOT d.pool = ANY (v_held)
                      ORDER BY d.pool COLLATE "C"
                 LOOP
-                    PERFORM durable_lock_pool(v_pool, v_pool_limit, q->'statuses', true);
+                    PERFORM durable_lock_pool(v_pool, v_pool_limit, v_pool_statuses, NOT v_nowait);
                     v_held := v_held || v_pool;
                 END LOOP;
                 v_held := v_held || v_key;
@@ -214,9 +240,19 @@ BEGIN
             v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
             v_pool := q->'burst'->>'pool';
             IF NOT v_pool = ANY (v_held) THEN
-                -- Waited for only when it sorts after every lock held; else NOWAIT (55P03 if busy).
-                v_override := durable_lock_pool(v_pool, (q->>'pool_limit')::integer, q->'statuses',
-                    v_pool COLLATE "C" > (SELECT max(h COLLATE "C") FROM unnest(v_held) AS h));
+                -- Waited for only when it sorts after every lock held (and never inside a
+                -- transaction that held locks before); else NOWAIT (55P03 if busy).
+                v_wait := NOT v_nowait AND v_pool COLLATE "C" > (SELECT max(h COLLATE "C") FROM unnest(v_held) AS h);
+                IF v_in_transaction AND NOT v_wait THEN
+                    -- A busy pool says whether the transaction held anything before this call.
+                    PERFORM 1 FROM durable_concurrencylock l WHERE l.key = v_pool FOR UPDATE SKIP LOCKED;
+                    IF NOT FOUND AND EXISTS (SELECT 1 FROM durable_concurrencylock l WHERE l.key = v_pool) THEN
+                        RAISE EXCEPTION USING ERRCODE = 'lock_not_available',
+                            MESSAGE = 'durable: the row of pool ' || v_pool || ' is locked by another transaction',
+                            DETAIL = CASE WHEN v_fresh THEN 'durable: nothing held' ELSE 'durable: locks held' END;
+                    END IF;
+                END IF;
+                v_override := durable_lock_pool(v_pool, (q->>'pool_limit')::integer, q->'statuses', v_wait);
                 v_held := v_held || v_pool;
             ELSE
                 SELECT l.limit_override INTO v_override FROM durable_concurrencylock l WHERE l.key = v_pool;
@@ -299,8 +335,9 @@ BEGIN
                LATERAL (VALUES ('concurrency:' || (e.value->'q'->'burst'->>'pool')),
                                ('borrowed:' || (e.value->'q'->>'key'))) AS x(tag)
          WHERE NOT EXISTS (SELECT 1 FROM jsonb_array_elements(p_quotas) AS o WHERE 'concurrency:' || (o.value->>'key') = x.tag);
-        v_burst := jsonb_build_object('borrowed', ARRAY(
-            SELECT DISTINCT e.value->'q'->'burst'->>'pool' FROM jsonb_array_elements(v_borrows) AS e ORDER BY 1));
+        v_burst := jsonb_build_object(
+            'borrowed', ARRAY(SELECT DISTINCT e.value->'q'->'burst'->>'pool' FROM jsonb_array_elements(v_borrows) AS e ORDER BY 1),
+            'keys', ARRAY(SELECT e.value->'q'->>'key' FROM jsonb_array_elements(v_borrows) AS e ORDER BY 1));
     END IF;
     RETURN QUERY SELECT 'created'::text, NULL::text, NULL::integer, NULL::bigint, v_pk, NULL::jsonb,
                         NULL::double precision, v_burst;
@@ -332,10 +369,12 @@ LANGUAGE sql IMMUTABLE AS $$
 $$;
 
 -- durable_lock_pool: lock the row of pool p_pool for durable_admit (creating it
--- first when p_wait and it does not exist) and record its limit (p_limit, from
+-- first when it does not exist) and record its limit (p_limit, from
 -- DURABLE["POOLS"]) and count_statuses on it; returns its limit_override. With
--- p_wait false (the pool sorts before a lock held) it never waits: a busy or
--- missing row raises lock_not_available.
+-- p_wait false (the pool sorts before a lock held, or the start is inside the
+-- caller's transaction) it never waits for the row: a busy row raises
+-- lock_not_available, and a missing row is created waiting at most 50 ms for a
+-- concurrent creation of it (lock_timeout: lock_not_available too).
 CREATE OR REPLACE FUNCTION durable_lock_pool(
     p_pool text,
     p_limit integer,
@@ -345,6 +384,7 @@ CREATE OR REPLACE FUNCTION durable_lock_pool(
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_override integer;
+    v_lock_timeout text;
 BEGIN
     IF p_wait THEN
         SELECT l.limit_override INTO v_override FROM durable_concurrencylock l WHERE l.key = p_pool FOR UPDATE;
@@ -356,8 +396,18 @@ BEGIN
     ELSE
         SELECT l.limit_override INTO v_override FROM durable_concurrencylock l WHERE l.key = p_pool FOR UPDATE NOWAIT;
         IF NOT FOUND THEN
-            RAISE EXCEPTION USING ERRCODE = 'lock_not_available',
-                MESSAGE = 'durable: the row of pool ' || p_pool || ' does not exist yet';
+            -- An INSERT waits for a concurrent, uncommitted insert of the same key: bounded.
+            -- (An error ends the caller's transaction or savepoint, which resets the setting.)
+            v_lock_timeout := current_setting('lock_timeout');
+            PERFORM set_config('lock_timeout', '50ms', true);
+            INSERT INTO durable_concurrencylock (key, "limit", count_statuses, rr_cursor)
+            VALUES (p_pool, p_limit, p_statuses, '') ON CONFLICT (key) DO NOTHING;
+            PERFORM set_config('lock_timeout', v_lock_timeout, true);
+            SELECT l.limit_override INTO v_override FROM durable_concurrencylock l WHERE l.key = p_pool FOR UPDATE NOWAIT;
+            IF NOT FOUND THEN
+                RAISE EXCEPTION USING ERRCODE = 'lock_not_available',
+                    MESSAGE = 'durable: the row of pool ' || p_pool || ' was deleted meanwhile';
+            END IF;
         END IF;
     END IF;
     UPDATE durable_concurrencylock l SET "limit" = p_limit, count_statuses = p_statuses

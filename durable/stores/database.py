@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -19,7 +20,7 @@ from django.db.models.functions import Coalesce, Concat
 from django.utils import timezone
 
 from durable import conf, exceptions
-from durable.concurrency import TAG_PREFIX, Quota, Strategy, replaced_error
+from durable.concurrency import BORROWED_PREFIX, TAG_PREFIX, Quota, Strategy, replaced_error
 from durable.status import TERMINAL_STATUSES, RunStatus
 from durable.stores import slots
 from durable.stores.base import (
@@ -293,18 +294,10 @@ class DjangoStore(BaseStore):
         bursting = [(entry, q.burst) for entry, q in zip(payload, ordered, strict=True) if q.burst is not None]
         for entry, burst in bursting:
             entry.update(burst={"pool": burst.pool, "up_to": burst.up_to}, pool_limit=burst.pool_limit)
-        # A pool sorting before one of the keys is taken with NOWAIT (durable_admit): if it is busy the
-        # call raises lock_not_available, and is made again with every pool locked with the keys, in key order.
-        out_of_order = any(burst.pool < ordered[-1].key for _, burst in bursting)
-        for lock_pools in (False, True) if out_of_order else (True,):
-            for entry, _ in bursting:
-                entry["lock_pool"] = lock_pools
-            try:
-                row = self._call_admit(connection, payload, record, count_namespace, run_id_given, retry=not lock_pools)
-                break
-            except OperationalError as exc:
-                if lock_pools or getattr(exc.__cause__, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
-                    raise
+        if bursting and connection.in_atomic_block:
+            row = self._admit_in_transaction(connection, payload, record, count_namespace, run_id_given, ordered)
+        else:
+            row = self._admit_in_key_order(connection, payload, record, count_namespace, run_id_given, ordered)
         outcome, key, limit, active, _, durations, oldest_age, burst_detail = row[:8]
         seconds = conf.retry_after_seconds(estimate(_json(durations), oldest_age))
         burst_detail = _json(burst_detail)
@@ -315,10 +308,81 @@ class DjangoStore(BaseStore):
         if outcome == "exists":
             raise RunExists(record.run_id)
         if burst_detail:
+            # The function answers which keys borrowed: a key on a used pool may be within its limit.
             borrowed = [TAG_PREFIX + pool for pool in burst_detail["borrowed"]]
-            borrowed += [q.borrowed_tag for q in ordered if q.burst is not None and TAG_PREFIX + q.burst.pool in borrowed]
+            borrowed += [BORROWED_PREFIX + key for key in burst_detail["keys"]]
             record.tags = list(dict.fromkeys([q.tag for q in ordered] + borrowed))
         return True
+
+    def _admit_in_key_order(
+        self,
+        connection: BaseDatabaseWrapper,
+        payload: list[dict[str, Any]],
+        record: RunRecord,
+        count_namespace: str | None,
+        run_id_given: bool,
+        ordered: Sequence[Quota],
+    ) -> tuple[Any, ...]:
+        """``durable_admit`` of a start outside the caller's transaction (it holds no other
+        lock), or without a burst.
+
+        A pool sorting before one of the keys is taken with NOWAIT: if it is busy the
+        call raises lock_not_available, and is made again with every pool locked with
+        the keys, in key order (it then waits for locks in key order only)."""
+        bursts = [q.burst for q in ordered if q.burst is not None]
+        out_of_order = any(burst.pool < ordered[-1].key for burst in bursts)
+        for lock_pools in (False, True) if out_of_order else (True,):
+            for entry in payload:
+                if "burst" in entry:
+                    entry["lock_pool"] = lock_pools
+            try:
+                return self._call_admit(connection, payload, record, count_namespace, run_id_given, retry=not lock_pools)
+            except OperationalError as exc:
+                if lock_pools or getattr(exc.__cause__, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
+                    raise
+        raise AssertionError("unreachable: the last call returns or raises")
+
+    def _admit_in_transaction(
+        self,
+        connection: BaseDatabaseWrapper,
+        payload: list[dict[str, Any]],
+        record: RunRecord,
+        count_namespace: str | None,
+        run_id_given: bool,
+        ordered: Sequence[Quota],
+    ) -> tuple[Any, ...]:
+        """``durable_admit`` of a start with a burst inside the caller's transaction.
+
+        That transaction may hold keys of earlier starts that sort after the pool, and
+        a savepoint's rollback does not release them: waiting for the pool could close
+        a cycle of waits. So, once it holds any lock (durable_admit tells: it has a
+        transaction id), the pool is never waited for (NOWAIT wherever it sorts), only
+        locked when the run borrows (a guaranteed start never reads it), and a busy
+        pool is tried again a few times, each call in a savepoint (which releases what
+        the call locked), after a short back-off; then ``PoolBusyError``. A transaction
+        that held nothing before the first call is retried as outside one: it holds
+        nothing once the savepoint is rolled back (docs/explanation/burst.md, "Inside
+        your own transaction")."""
+        for entry in payload:
+            if "burst" in entry:
+                entry.update(lock_pool=False, in_transaction=True)
+        for attempt, pause in enumerate((*_POOL_BACKOFF, None), start=1):
+            try:
+                return self._call_admit(connection, payload, record, count_namespace, run_id_given, retry=True)
+            except OperationalError as exc:
+                if getattr(exc.__cause__, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
+                    raise
+                detail = getattr(getattr(exc.__cause__, "diag", None), "message_detail", None)
+                if attempt == 1 and detail == _NOTHING_HELD:
+                    for entry in payload:
+                        if "burst" in entry:
+                            entry.update(lock_pool=True, in_transaction=False)
+                    return self._call_admit(connection, payload, record, count_namespace, run_id_given, retry=False)
+                if pause is None:
+                    pools = sorted({q.burst.pool for q in ordered if q.burst is not None})
+                    raise exceptions.PoolBusyError(workflow=record.workflow, pools=pools, attempts=attempt) from exc
+                time.sleep(pause)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _call_admit(
         self,
@@ -903,6 +967,11 @@ _DATETIME_FIELDS = ("created_at", "updated_at", "started_at", "finished_at", "he
 
 #: PostgreSQL's SQLSTATE of a NOWAIT lock that is busy (durable_admit's pool lock out of key order).
 _LOCK_NOT_AVAILABLE = "55P03"
+#: The pauses between the calls of ``durable_admit`` that find a burst pool busy inside
+#: the caller's transaction (4 calls in about 0.2 s), before ``PoolBusyError``.
+_POOL_BACKOFF = (0.02, 0.05, 0.1)
+#: durable_admit's DETAIL of a busy pool inside a transaction that held no lock before the call.
+_NOTHING_HELD = "durable: nothing held"
 
 #: How many calls of ``durable_promote`` one promote makes at most (each further one
 #: takes first the locks the call before found busy out of key order).

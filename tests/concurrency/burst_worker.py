@@ -4,7 +4,8 @@
 ``--keys`` with ``Concurrency(limit=--limit, burst=Burst(pool=--pool, up_to=--up-to))``;
 every ``--direct-every``-th start instead takes the tenant key without a burst plus
 the pool as a quota of its own (it locks the pool before the tenant key, the other
-order); with ``--atomic`` each start runs inside ``transaction.atomic()``.
+order); with ``--atomic`` each start runs inside ``transaction.atomic()`` (where a start
+that finds its pool busy may give up: ``PoolBusyError``, counted as ``pool_busy``).
 ``complete``: executes pending runs of those keys until the ``stop`` file appears
 (or ``--releases`` of them), so that borrowed runs finish and free their pool slots.
 
@@ -36,6 +37,7 @@ def start(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from django.db import transaction
 
     from durable import Burst, Concurrency, ConcurrencyLimitError
+    from durable.exceptions import PoolBusyError
 
     engine = _engine()
     keys = args.keys.split(",")
@@ -58,6 +60,8 @@ def start(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 handle = engine.start("test.noop", {"by": args.name, "i": i}, concurrency=quotas)
         except ConcurrencyLimitError as exc:
             refused[f"{kind}:{exc.source}"] += 1
+        except PoolBusyError:  # inside a transaction, the pool stayed busy through every attempt
+            refused[f"{kind}:pool_busy"] += 1
         else:
             borrowed = any(tag.startswith("borrowed:") for tag in handle.record.tags)
             created[f"{kind}:{'borrowed' if borrowed else 'own'}"] += 1

@@ -187,7 +187,7 @@ def test_without_releases_every_tenant_gets_its_guarantee_and_the_pool_fills_exa
     assert observed[pool]["hwm"] == 10 == in_flight(f"concurrency:{pool}")  # filled, never beyond
     assert sum(totals["created"].values()) == 4 * 3 + 10  # 120 starts: every guarantee, then the pool, exactly
     assert totals["created"]["burst:borrowed"] > 0
-    assert set(totals["refused"]) <= {"burst:pool", "burst:up_to", "direct:limit"}
+    assert set(totals["refused"]) <= {"burst:pool", "burst:up_to", "burst:pool_busy", "direct:limit"}
 
     # A tenant that comes now, the pool being full, still gets its guarantee.
     settings.DURABLE = {**settings.DURABLE, "POOLS": {pool: 10}}

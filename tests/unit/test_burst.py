@@ -6,8 +6,9 @@ from typing import Any
 
 import pytest
 
-from durable import Burst, Concurrency, ConcurrencyLimitError, DjangoStore, Engine, RunStatus, Strategy
-from durable.exceptions import ChildWorkflowError, InvalidStartError
+from durable import Burst, Concurrency, ConcurrencyLimitError, DjangoStore, Engine, RunStatus, Strategy, http
+from durable.exceptions import ChildWorkflowError, InvalidStartError, PoolBusyError, StoreUnavailable
+from durable.runtime import context
 from durable.status import DEFAULT_CONCURRENCY_STATUSES
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -260,3 +261,63 @@ def test_the_quotas_command_shows_the_burst() -> None:
     acme, pool = rows["tenant:a"], rows["global"]
     assert (acme["guaranteed"], acme["borrowed"], acme["pool"], acme["pool_active"], acme["up_to"]) == (1, 1, "global", 1, 4)
     assert (pool["is_pool"], pool["active"]) == (True, 1)
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [
+        [bursting(limit=2, up_to=10), Concurrency(key=tenant, limit=5)],
+        [Concurrency(key=tenant, limit=5), bursting(limit=2, up_to=10)],
+        [Concurrency(key=tenant, limit=1), bursting(limit=2, up_to=10)],
+        [bursting(limit=2, up_to=10), bursting(limit=1, up_to=3, pool="other")],
+    ],
+    ids=["burst-then-plain", "plain-then-burst", "plain-smaller", "two-bursts"],
+)
+def test_a_burst_sharing_its_key_with_another_entry_is_refused_creating_nothing(engine: Engine, entries: Any) -> None:
+    # "The smaller limit applies" compared limits only: limit=2 with up_to=10 won over a plain
+    # limit=5 on the same key, and 10 runs of the tenant were admitted.
+    engine.register("w", "1", lambda ctx, input: None, concurrency=entries)
+    with pytest.raises(InvalidStartError, match="resolve to the key 'tenant:a' and one has a burst"):
+        start(engine)
+    assert engine.list_runs() == []
+    engine.register(
+        "w", "1", lambda ctx, input: None, concurrency=[bursting(limit=2, up_to=10), Concurrency(key="plan", limit=5)]
+    )
+    assert start(engine).record.tags == ["concurrency:plan", "concurrency:tenant:a"]  # other keys mix as before
+
+
+def test_the_handle_marks_borrowed_only_the_keys_that_borrowed(engine: Engine) -> None:
+    # Two keys with bursts on one pool: tenant:a borrows, user:1 is within its limit. On
+    # PostgreSQL the handle marked every burst key on a used pool borrowed.
+    both = [
+        Concurrency(key="tenant:a", limit=1, burst=Burst(pool="global", up_to=3)),
+        Concurrency(key="user:1", limit=3, burst=Burst(pool="global", up_to=3)),
+    ]
+    engine.register("w", "1", lambda ctx, input: None, concurrency=both)
+    engine.start("w", {})
+    second = engine.start("w", {})
+    expected = ["borrowed:tenant:a", "concurrency:global", "concurrency:tenant:a", "concurrency:user:1"]
+    assert sorted(second.record.tags) == expected
+    assert (count(engine, "borrowed:tenant:a"), count(engine, "borrowed:user:1"), count(engine, "concurrency:global")) == (
+        1,
+        0,
+        1,
+    )
+
+
+def test_a_busy_pool_inside_a_transaction_answers_503_with_retry_after() -> None:
+    exc = PoolBusyError(workflow="w", pools=["global"], attempts=4)
+    parts = http.error_parts(exc)
+    assert parts is not None
+    status, body, headers = parts
+    assert (status, body["code"], int(headers["Retry-After"]) >= 1) == (503, "pool_busy", True)
+    assert "retry the transaction" in body["detail"]
+
+
+def test_a_busy_pool_met_by_a_workflow_body_is_durables_infrastructure_not_the_runs_failure() -> None:
+    # ctx.start_child inside a transaction: the execution is tried again, as after a database error.
+    with pytest.raises(StoreUnavailable) as info, context._store_call():
+        raise PoolBusyError(workflow="child", pools=["global"], attempts=4)
+    assert isinstance(info.value.__cause__, PoolBusyError)
+    with pytest.raises(ConcurrencyLimitError), context._store_call():  # a refusal still passes
+        raise ConcurrencyLimitError(workflow="child", key="k", limit=1, active=1)
