@@ -24,9 +24,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def celery_worker(django_db_setup: None, django_db_blocker) -> Iterator[object]:
-    """A real Celery worker (thread pool) in this process, consuming the test broker."""
+    """A real Celery worker (thread pool) in this process, consuming the test broker.
+
+    One per test module that asks for it, stopped at the module's end: a worker left
+    running for the session executed the runs that later modules' committing tests
+    start and expect to find pending."""
     # Only the test project's own queue (durable-test), never another project's "celery".
     with celery_app.connection_for_write() as conn:
         conn.default_channel.queue_purge(celery_app.conf.task_default_queue)
