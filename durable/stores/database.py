@@ -332,9 +332,7 @@ class DjangoStore(BaseStore):
         bursts = [q.burst for q in ordered if q.burst is not None]
         out_of_order = any(burst.pool < ordered[-1].key for burst in bursts)
         for lock_pools in (False, True) if out_of_order else (True,):
-            for entry in payload:
-                if "burst" in entry:
-                    entry["lock_pool"] = lock_pools
+            _set_burst_flags(payload, lock_pool=lock_pools)
             try:
                 return self._call_admit(connection, payload, record, count_namespace, run_id_given, retry=not lock_pools)
             except OperationalError as exc:
@@ -363,9 +361,7 @@ class DjangoStore(BaseStore):
         that held nothing before the first call is retried as outside one: it holds
         nothing once the savepoint is rolled back (docs/explanation/burst.md, "Inside
         your own transaction")."""
-        for entry in payload:
-            if "burst" in entry:
-                entry.update(lock_pool=False, in_transaction=True)
+        _set_burst_flags(payload, lock_pool=False, in_transaction=True)
         for attempt, pause in enumerate((*_POOL_BACKOFF, None), start=1):
             try:
                 return self._call_admit(connection, payload, record, count_namespace, run_id_given, retry=True)
@@ -374,9 +370,7 @@ class DjangoStore(BaseStore):
                     raise
                 detail = getattr(getattr(exc.__cause__, "diag", None), "message_detail", None)
                 if attempt == 1 and detail == _NOTHING_HELD:
-                    for entry in payload:
-                        if "burst" in entry:
-                            entry.update(lock_pool=True, in_transaction=False)
+                    _set_burst_flags(payload, lock_pool=True, in_transaction=False)
                     return self._call_admit(connection, payload, record, count_namespace, run_id_given, retry=False)
                 if pause is None:
                     pools = sorted({q.burst.pool for q in ordered if q.burst is not None})
@@ -999,6 +993,14 @@ def _start_params(record: RunRecord, count_namespace: str | None, run_id_given: 
         record.queue,
         run_id_given,
     ]
+
+
+def _set_burst_flags(payload: list[dict[str, Any]], **flags: bool) -> None:
+    """Set how ``durable_admit`` takes the pools (``lock_pool``, ``in_transaction``) on
+    the payload's entries with a burst."""
+    for entry in payload:
+        if "burst" in entry:
+            entry.update(flags)
 
 
 def _jsonb(value: Any) -> str | None:

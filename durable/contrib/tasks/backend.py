@@ -136,7 +136,8 @@ class DurableBackend(framework.BaseTaskBackend):
         """Start the task's run under its quotas (``ConcurrencyLimitError`` over a
         limit, creating nothing); the result is READY, or finished already with an
         engine that executes inline."""
-        return self._enqueue(task, args, kwargs, limits=None)
+        self.validate_task(task)
+        return self._start(task, self._input(task, args, kwargs), limits=None)
 
     async def aenqueue(self, task: Any, args: Any, kwargs: Any) -> Any:
         """``enqueue`` for async code: an async limit function is awaited here, on
@@ -144,11 +145,9 @@ class DurableBackend(framework.BaseTaskBackend):
         self.validate_task(task)
         input = self._input(task, args, kwargs)
         limits = await _concurrency.aresolve_limits(self._specs(task), input)
-        return await sync_to_async(self._enqueue)(task, args, kwargs, limits=limits)
+        return await sync_to_async(self._start)(task, input, limits=limits)
 
-    def _enqueue(self, task: Any, args: Any, kwargs: Any, *, limits: _concurrency.Limits | None) -> Any:
-        self.validate_task(task)
-        input = self._input(task, args, kwargs)
+    def _start(self, task: Any, input: dict[str, Any], *, limits: _concurrency.Limits | None) -> Any:
         quotas = _concurrency.resolve(self._specs(task), input, limits=limits)
         handle = self.engine.start(WORKFLOW, input, concurrency=[_static(q) for q in quotas], queue=celery_queue(task.queue_name))
         handle.refresh()  # the row as stored: its created_at, and its status if a worker took it already
