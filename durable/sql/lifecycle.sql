@@ -1,24 +1,41 @@
--- durable_claim, durable_record_step, durable_end (and durable_finish): each
--- state change of an execution in one round trip (PostgreSQL). Installed by
--- migration 0014 (0008 installed the first version, 0012 the second, which
--- records run durations; 0014 adds durable_end); a change here needs a new file
--- in durable/sql/migrations/ and a migration that runs it. Each is the
--- compare-and-set of the DjangoStore method of the same name on other databases;
--- times come from the caller (p_now), as the ORM path takes them from the
--- application's clock.
+-- durable_take (durable_claim), durable_record_step, durable_end (and
+-- durable_finish): each state change of an execution in one round trip
+-- (PostgreSQL). Installed by migration 0019 (0008 installed the first version,
+-- 0012 the second, which records run durations; 0014 added durable_end; 0019
+-- adds durable_take, the claim that may commit asynchronously); a change here
+-- needs a new file in durable/sql/migrations/ and a migration that runs it. Each
+-- is the compare-and-set of the DjangoStore method of the same name on other
+-- databases; times come from the caller (p_now), as the ORM path takes them from
+-- the application's clock.
 
--- durable_claim: take a pending or blocked run (or a running one whose heartbeat
+-- durable_take: take a pending or blocked run (or a running one whose heartbeat
 -- is older than p_stale_before) for p_lease, mirror 'running' on its tags, and
 -- return the run (its columns, with its parent's run id) and its journal, in
 -- position order, as one jsonb value {"run": {...}, "steps": [...]}; NULL when
 -- the run is not to be executed. The UPDATE takes the row's lock: a concurrent
 -- claim waits for it, then finds the run running with a fresh heartbeat.
-CREATE OR REPLACE FUNCTION durable_claim(
+--
+-- p_async_commit: commit the call's own transaction without waiting for its WAL
+-- to reach the disk (synchronous_commit off, for this transaction only; the
+-- caller passes it only when the call is a transaction of its own), when losing
+-- the claim cannot change what any quota counts: every quota key of the run
+-- (each 'concurrency:' tag, a burst's pool included) counts 'running' only if it
+-- also counts 'pending' and 'blocked', the statuses a claim takes a run from
+-- (the default statuses count all three). A claim that a crash of the database
+-- loses right after it leaves the run as it was (pending, blocked, or running
+-- under the stale lease it took over): the execution's next write finds its
+-- lease gone and stops, and the run is executed again from its journal, as
+-- after a worker's crash. Nothing the execution wrote can survive it either: a
+-- later synchronous commit (its first journal write) flushes the WAL, the claim
+-- included, before its own. A key that counts 'running' but not 'pending' takes
+-- its slot at the claim, so such a claim commits synchronously.
+CREATE OR REPLACE FUNCTION durable_take(
     p_run_id text,
     p_lease text,
     p_worker text,
     p_stale_before timestamp with time zone,
-    p_now timestamp with time zone
+    p_now timestamp with time zone,
+    p_async_commit boolean
 ) RETURNS jsonb
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
@@ -35,6 +52,14 @@ BEGIN
         RETURN NULL;
     END IF;
     UPDATE durable_runtag t SET status = 'running' WHERE t.run_id = v_run.id;
+    IF p_async_commit AND NOT EXISTS (
+        SELECT 1 FROM durable_runtag t LEFT JOIN durable_concurrencylock l ON l.key = substr(t.tag, 13)
+         WHERE t.run_id = v_run.id AND left(t.tag, 12) = 'concurrency:'
+           AND (l.key IS NULL OR (l.count_statuses ? 'running'
+                                  AND NOT (l.count_statuses ? 'pending' AND l.count_statuses ? 'blocked'))))
+    THEN
+        PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
     RETURN jsonb_build_object(
         'run', to_jsonb(v_run) || jsonb_build_object(
             'parent_run_id', (SELECT p.run_id FROM durable_workflowrun p WHERE p.id = v_run.parent_id)),
@@ -45,6 +70,19 @@ BEGIN
                    ORDER BY s.position)
               FROM durable_steprecord s WHERE s.run_id = v_run.id), '[]'::jsonb));
 END;
+$$;
+
+-- durable_claim: durable_take committing synchronously, for workers of the
+-- previous release while a deploy rolls.
+CREATE OR REPLACE FUNCTION durable_claim(
+    p_run_id text,
+    p_lease text,
+    p_worker text,
+    p_stale_before timestamp with time zone,
+    p_now timestamp with time zone
+) RETURNS jsonb
+LANGUAGE sql VOLATILE AS $$
+    SELECT durable_take(p_run_id, p_lease, p_worker, p_stale_before, p_now, false);
 $$;
 
 -- durable_record_step: journal one step of a run running under p_lease (replacing

@@ -591,14 +591,21 @@ class DjangoStore(BaseStore):
     def claim_journal(
         self, run_id: str, *, lease: str, worker: str, stale_before: datetime
     ) -> tuple[RunRecord, list[StepEntry] | None] | None:
-        """On PostgreSQL one call of ``durable_claim``: the claim, the status mirrored
+        """On PostgreSQL one call of ``durable_take``: the claim, the status mirrored
         on the tags, the run and its journal read back. Elsewhere ``claim``, and the
-        engine reads the journal."""
+        engine reads the journal.
+
+        Outside a transaction the claim commits asynchronously where losing it in a
+        crash of the database cannot change a quota's count (see ``durable_take``):
+        the run is then only executed again from its journal."""
         connection = self._postgres()
         if connection is None:
             return super().claim_journal(run_id, lease=lease, worker=worker, stale_before=stale_before)
         with connection.cursor() as cursor:
-            cursor.execute("SELECT durable_claim(%s, %s, %s, %s, %s)", [run_id, lease, worker, stale_before, timezone.now()])
+            cursor.execute(
+                "SELECT durable_take(%s, %s, %s, %s, %s, %s)",
+                [run_id, lease, worker, stale_before, timezone.now(), not connection.in_atomic_block],
+            )
             claimed = _json(cursor.fetchone()[0])
         if claimed is None:
             return None

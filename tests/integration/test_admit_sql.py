@@ -22,7 +22,7 @@ SQL = Path(durable.__file__).resolve().parent / "sql"
 #: Each current copy in durable/sql/ and the functions its file defines.
 FUNCTIONS = {
     "admit": ["durable_admit", "durable_burst_refusal", "durable_lock_pool"],
-    "lifecycle": ["durable_claim", "durable_record_step", "durable_finish", "durable_end"],
+    "lifecycle": ["durable_take", "durable_claim", "durable_record_step", "durable_finish", "durable_end"],
     "queue": ["durable_admit_queued", "durable_promote"],
 }
 

@@ -82,7 +82,7 @@ def test_claim_with_the_journal_read_is_one_call(engine: Engine, django_assert_n
     handle = engine.start("w", {"key": "tenant:a"})
     with django_assert_num_queries(1) as captured:
         claimed = engine.store.claim_journal(handle.run_id, lease="l", worker="w", stale_before=timezone.now())
-    assert captured.captured_queries[0]["sql"].startswith("SELECT durable_claim(")
+    assert captured.captured_queries[0]["sql"].startswith("SELECT durable_take(")
     assert claimed is not None and claimed[0].status == RunStatus.RUNNING and claimed[1] == []
     assert set(RunTag.objects.filter(run__run_id=handle.run_id).values_list("status", flat=True)) == {"running"}
     with django_assert_num_queries(1):  # not to be executed: one call too
@@ -133,13 +133,13 @@ def test_durable_finish_still_ends_a_run_for_workers_of_the_previous_release(eng
     assert set(RunTag.objects.filter(run__run_id=handle.run_id).values_list("status", flat=True)) == {"completed"}
 
 
-#: A one-step run on PostgreSQL: durable_claim (with the journal; it proves the run
+#: A one-step run on PostgreSQL: durable_take (with the journal; it proves the run
 #: this execution's, so the first step reads nothing before it runs),
 #: durable_record_step and durable_end. A run without a quota key stops there; one
 #: with keys has, on the finish's commit, durable_promote hand on the slots it freed
 #: (it reads the run's keys itself).
 ONE_STEP_RUN = [
-    "SELECT durable_claim(",
+    "SELECT durable_take(",
     "SELECT durable_record_step(",
     "SELECT durable_end(",
 ]
