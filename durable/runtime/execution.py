@@ -11,9 +11,10 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -274,38 +275,12 @@ class Executor:
         if record is None or record.status != RunStatus.RUNNING or record.lease != lease:
             raise exceptions.RunCancelled(run_id)
 
-    @contextmanager
-    def _heartbeat(self, run_id: str, lease: str) -> Iterator[threading.Event]:
-        """Beat every ``HEARTBEAT_INTERVAL`` in a thread of its own; yields the event
-        set when a heartbeat finds the run no longer this lease's (cancelled, or taken
-        over), which stops the execution at its next step boundary. A failed
-        heartbeat (the database unreachable) is logged and retried on a fresh
-        connection at the next beat: one blip must not let the run look orphaned."""
-        stop, lost = threading.Event(), threading.Event()
-        interval = float(settings.HEARTBEAT_INTERVAL)
-
-        def beat() -> None:
-            try:
-                while not stop.wait(interval):
-                    try:
-                        owned = self.store.heartbeat(run_id, lease)
-                    except Exception as exc:  # never let a heartbeat failure end the heartbeats
-                        logger.warning("Heartbeat of run %s failed, retrying: %s", run_id, exc)
-                        self._recover()
-                        continue
-                    if not owned:
-                        lost.set()
-                        return
-            finally:
-                self.store.release_thread()
-
-        thread = threading.Thread(target=beat, name=f"durable-heartbeat-{run_id}", daemon=True)
-        thread.start()
-        try:
-            yield lost
-        finally:
-            stop.set()
-            thread.join()
+    def _heartbeat(self, run_id: str, lease: str) -> AbstractContextManager[threading.Event]:
+        """Beat every ``HEARTBEAT_INTERVAL`` while the block runs (``heartbeats``: one thread
+        of the process beats every execution in flight); yields the event set when a
+        heartbeat finds the run no longer this lease's (cancelled, or taken over), which
+        stops the execution at its next step boundary."""
+        return heartbeats.beating(self, run_id, lease)
 
     # -- waking --------------------------------------------------------------------------------
     def resume(self, run: RunRecord, *, waiting_for: str | None = None, due: bool = False) -> bool:
@@ -458,3 +433,108 @@ def send_run_finished(engine: Engine, run: RunRecord, status: str, *, output: An
 
 def _worker_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{threading.current_thread().name}"
+
+
+class _Beat:
+    """One execution in flight, as ``Heartbeats`` keeps it."""
+
+    __slots__ = ("executor", "run_id", "lease", "lost", "due")
+
+    def __init__(self, executor: Executor, run_id: str, lease: str, due: float) -> None:
+        self.executor, self.run_id, self.lease, self.due = executor, run_id, lease, due
+        self.lost = threading.Event()
+
+
+class Heartbeats:
+    """Beats the executions in flight in this process, from one daemon thread.
+
+    Each execution is beaten every ``HEARTBEAT_INTERVAL`` from the moment it is added
+    (its claim set the first ``heartbeat_at``), as a thread of its own would beat it,
+    without a thread started and joined around every run (a fraction of a millisecond
+    on the way to the first step's body and again after the last). A heartbeat that
+    finds the run no longer its lease's sets the execution's ``lost`` event and stops
+    beating it. A failed heartbeat (the database unreachable) is logged, the thread's
+    connection is dropped if the error left it unusable, and the run is beaten again
+    on the next pass: one blip must not let a run look orphaned. After each pass the
+    thread closes its database connections (``BaseStore.release_thread``), so it holds
+    none between beats. A forked child (a prefork worker process) starts a thread of
+    its own on its first execution.
+    """
+
+    def __init__(self) -> None:
+        self._after_fork()
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._beats: dict[int, _Beat] = {}
+        self._pid = 0
+        self._wake = threading.Event()
+        #: When the thread looks next (monotonic): an execution due sooner wakes it.
+        self._next = 0.0
+
+    @contextmanager
+    def beating(self, executor: Executor, run_id: str, lease: str) -> Iterator[threading.Event]:
+        beat = _Beat(executor, run_id, lease, time.monotonic() + float(settings.HEARTBEAT_INTERVAL))
+        with self._lock:
+            if self._pid != os.getpid():
+                self._start()
+            self._beats[id(beat)] = beat
+            wake = beat.due < self._next
+        if wake:
+            self._wake.set()
+        try:
+            yield beat.lost
+        finally:
+            with self._lock:
+                self._beats.pop(id(beat), None)
+
+    def _start(self) -> None:
+        """(Under the lock) the thread of this process."""
+        self._wake = threading.Event()
+        self._next = 0.0
+        threading.Thread(target=self._serve, args=(self._wake,), name="durable-heartbeats", daemon=True).start()
+        self._pid = os.getpid()
+
+    def _serve(self, wake: threading.Event) -> None:
+        while True:
+            try:
+                self._pass()
+            except Exception:  # the thread must live on: the next pass beats the runs again
+                logger.exception("The durable heartbeat thread failed a pass; it beats again at the next one.")
+            with self._lock:
+                pending = [beat.due for beat in self._beats.values()]
+                # With none in flight, look again after an interval (a run added meanwhile is due later).
+                self._next = min(pending, default=time.monotonic() + float(settings.HEARTBEAT_INTERVAL))
+                wake.clear()
+            wake.wait(max(self._next - time.monotonic(), 0.0))
+
+    def _pass(self) -> None:
+        """Beat every execution that is due; then close the connections the beats opened."""
+        now = time.monotonic()
+        with self._lock:
+            due = [beat for beat in self._beats.values() if beat.due <= now]
+        stores: dict[int, BaseStore] = {}
+        try:
+            for beat in due:
+                beat.due = now + float(settings.HEARTBEAT_INTERVAL)
+                store = beat.executor.store
+                stores[id(store)] = store
+                try:
+                    owned = store.heartbeat(beat.run_id, beat.lease)
+                except Exception as exc:  # never let a heartbeat failure end the heartbeats
+                    logger.warning("Heartbeat of run %s failed, retrying: %s", beat.run_id, exc)
+                    beat.executor._recover()
+                    continue
+                if not owned:
+                    beat.lost.set()
+                    with self._lock:
+                        self._beats.pop(id(beat), None)
+        finally:
+            for store in stores.values():
+                store.release_thread()
+
+
+#: This process's heartbeats (a forked child starts its own thread).
+heartbeats = Heartbeats()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=heartbeats._after_fork)
