@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from durable import Engine, InMemoryStore, RunStatus
@@ -45,6 +47,19 @@ def _engine(store: InMemoryStore, hold: threading.Event, entered: threading.Even
     return engine
 
 
+@contextmanager
+def _executing(engine: Engine, run_id: str, hold: threading.Event, entered: threading.Event) -> Iterator[None]:
+    """Execute the run in a thread; the block runs while its step waits for ``hold``."""
+    thread = threading.Thread(target=engine.execute, args=(run_id,))
+    thread.start()
+    try:
+        assert entered.wait(10)
+        yield
+    finally:
+        hold.set()
+        thread.join(10)
+
+
 def _threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("durable-heartbeat")]
 
@@ -80,17 +95,11 @@ def test_a_failed_heartbeat_is_tried_again_and_the_run_is_not_lost() -> None:
     store, hold, entered = CountingStore(fail=2), threading.Event(), threading.Event()
     engine = _engine(store, hold, entered)
     handle = engine.start("w")
-    thread = threading.Thread(target=engine.execute, args=(handle.run_id,))
-    thread.start()
-    try:
-        assert entered.wait(10)
+    with _executing(engine, handle.run_id, hold, entered):
         wait_for(lambda: len(store.beats) >= 4, timeout=5, what="beats after the failures")
         assert store.fail == 0
         heartbeat_at = store.get_run(handle.run_id).heartbeat_at
         wait_for(lambda: store.get_run(handle.run_id).heartbeat_at > heartbeat_at, timeout=5, what="a beat that lands")
-    finally:
-        hold.set()
-        thread.join(10)
     assert handle.result(timeout=5) == "done"
 
 
@@ -98,19 +107,13 @@ def test_a_run_no_longer_the_leases_is_told_and_beaten_no_more() -> None:
     store, hold, entered = CountingStore(), threading.Event(), threading.Event()
     engine = _engine(store, hold, entered)
     handle = engine.start("w")
-    thread = threading.Thread(target=engine.execute, args=(handle.run_id,))
-    thread.start()
-    try:
-        assert entered.wait(10)
+    with _executing(engine, handle.run_id, hold, entered):
         engine.cancel(handle.run_id)
         wait_for(lambda: len(store.beats) >= 1, timeout=5, what="a heartbeat after the cancel")
         time.sleep(0.6)
         beats = len(store.beats)
         time.sleep(0.6)
         assert len(store.beats) == beats  # the lost run is dropped from the passes
-    finally:
-        hold.set()
-        thread.join(10)
     assert store.get_run(handle.run_id).status == RunStatus.CANCELLED
     assert [s.name for s in store.load_steps(handle.run_id)] == []  # told at the step boundary: nothing journaled
 
@@ -126,12 +129,6 @@ def test_an_execution_due_sooner_than_the_threads_next_look_wakes_it(settings: A
     time.sleep(0.5)  # idle, it now looks again in about 5 s
     settings.DURABLE = {**settings.DURABLE, "HEARTBEAT_INTERVAL": 0.05}
     handle = engine.start("w")
-    thread = threading.Thread(target=engine.execute, args=(handle.run_id,))
-    thread.start()
-    try:
-        assert entered.wait(10)
+    with _executing(engine, handle.run_id, hold, entered):
         wait_for(lambda: len(store.beats) >= 3, timeout=2, what="beats at the short interval")
-    finally:
-        hold.set()
-        thread.join(10)
     assert handle.result(timeout=5) == "done"
