@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -106,7 +106,8 @@ class Executor:
             if self.finish(record, lease, RunStatus.FAILED, error=describe_error(exc)):
                 logger.error("Run %s failed: %s", run_id, exc)
             return
-        with self._heartbeat(run_id, lease) as lost:
+        # Beaten while it runs; lost: the run is no longer this lease's (cancelled, or taken over).
+        with heartbeats.beating(self, run_id, lease) as lost:
             claimed = True  # the first pass follows the claim, which just proved the lease
             while True:
                 journal = self.store.load_steps(run_id) if steps is None else steps
@@ -274,13 +275,6 @@ class Executor:
         record = self.store.get_run(run_id)
         if record is None or record.status != RunStatus.RUNNING or record.lease != lease:
             raise exceptions.RunCancelled(run_id)
-
-    def _heartbeat(self, run_id: str, lease: str) -> AbstractContextManager[threading.Event]:
-        """Beat every ``HEARTBEAT_INTERVAL`` while the block runs (``heartbeats``: one thread
-        of the process beats every execution in flight); yields the event set when a
-        heartbeat finds the run no longer this lease's (cancelled, or taken over), which
-        stops the execution at its next step boundary."""
-        return heartbeats.beating(self, run_id, lease)
 
     # -- waking --------------------------------------------------------------------------------
     def resume(self, run: RunRecord, *, waiting_for: str | None = None, due: bool = False) -> bool:
@@ -490,12 +484,11 @@ class Heartbeats:
 
     def _start(self) -> None:
         """(Under the lock) the thread of this process."""
-        self._wake = threading.Event()
-        self._next = 0.0
-        threading.Thread(target=self._serve, args=(self._wake,), name="durable-heartbeats", daemon=True).start()
+        threading.Thread(target=self._serve, name="durable-heartbeats", daemon=True).start()
         self._pid = os.getpid()
 
-    def _serve(self, wake: threading.Event) -> None:
+    def _serve(self) -> None:
+        wake = self._wake
         while True:
             try:
                 self._pass()

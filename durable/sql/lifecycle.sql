@@ -40,6 +40,7 @@ CREATE OR REPLACE FUNCTION durable_take(
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_run durable_workflowrun;
+    v_async boolean;
 BEGIN
     UPDATE durable_workflowrun r
        SET status = 'running', updated_at = p_now, lease = p_lease, worker = p_worker,
@@ -51,13 +52,17 @@ BEGIN
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
-    UPDATE durable_runtag t SET status = 'running' WHERE t.run_id = v_run.id;
-    IF p_async_commit AND NOT EXISTS (
-        SELECT 1 FROM durable_runtag t LEFT JOIN durable_concurrencylock l ON l.key = substr(t.tag, 13)
-         WHERE t.run_id = v_run.id AND left(t.tag, 12) = 'concurrency:'
+    -- The tags mirror 'running'; the same statement reads their keys' statuses.
+    WITH tagged AS (
+        UPDATE durable_runtag t SET status = 'running' WHERE t.run_id = v_run.id RETURNING t.tag
+    )
+    SELECT p_async_commit AND NOT EXISTS (
+        SELECT 1 FROM tagged g LEFT JOIN durable_concurrencylock l ON l.key = substr(g.tag, 13)
+         WHERE left(g.tag, 12) = 'concurrency:'
            AND (l.key IS NULL OR (l.count_statuses ? 'running'
                                   AND NOT (l.count_statuses ? 'pending' AND l.count_statuses ? 'blocked'))))
-    THEN
+      INTO v_async;
+    IF v_async THEN
         PERFORM set_config('synchronous_commit', 'off', true);
     END IF;
     RETURN jsonb_build_object(
