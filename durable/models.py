@@ -7,7 +7,7 @@ from django.db import models
 from django.db.models.functions import Now
 
 from durable.querysets import RunQuerySet, RunTagQuerySet
-from durable.status import ACTIVE_STATUSES, TERMINAL_STATUSES, RunStatus
+from durable.status import TERMINAL_STATUSES, RunStatus
 
 
 class WorkflowRun(models.Model):
@@ -56,17 +56,17 @@ class WorkflowRun(models.Model):
         ordering = ["-created_at", "-id"]
         # The lists (API and admin) read a page newest first, unfiltered or by one
         # status, workflow or namespace: each an index range in that order, whose
-        # cost does not grow with the number of runs.
+        # cost does not grow with the number of runs. No index names heartbeat_at,
+        # dispatched_at or redispatches, nor uses them in a condition: a heartbeat, a
+        # journal write and a re-send change only those, so PostgreSQL updates the row
+        # in place (a HOT update) instead of adding an entry to every index. The
+        # sweeper finds the running and the pending runs on durable_run_status_idx
+        # and filters those few row by row.
         indexes = [
             models.Index(fields=["-created_at", "-id"], name="durable_run_created_idx"),
             models.Index(fields=["status", "-created_at", "-id"], name="durable_run_status_idx"),
             models.Index(fields=["workflow", "-created_at", "-id"], name="durable_run_workflow_idx"),
             models.Index(fields=["namespace", "-created_at", "-id"], name="durable_run_namespace_idx"),
-            models.Index(
-                fields=["status", "heartbeat_at"],
-                name="durable_run_active_idx",
-                condition=models.Q(status__in=ACTIVE_STATUSES),
-            ),
             # A purge (and RETENTION) reads the finished runs of one status, oldest
             # finished first: one range of this index per batch.
             models.Index(
