@@ -90,7 +90,9 @@ class RunTag(models.Model):
     in-flight runs of a tag is one index range scan on ``(tag, status)``, whose
     cost does not grow with the number of finished runs."""
 
-    run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="tags")
+    #: No index of its own (db_index=False): the unique constraint on (run, tag) starts
+    #: with it, so it serves the joins, the lookups by run and the cascade on delete.
+    run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="tags", db_index=False)
     tag = models.CharField(max_length=255)
     status = models.CharField(max_length=16, choices=RunStatus.choices)
     namespace = models.CharField(max_length=100, default="default")
@@ -183,7 +185,9 @@ class StepRecord(models.Model):
         #: A sleep or a signal wait that has begun (its deadline is in ``output``).
         WAITING = "waiting"
 
-    run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="steps")
+    #: No index of its own (db_index=False): the unique constraint on (run, position) starts
+    #: with it, so it serves the joins, the lookups by run and the cascade on delete.
+    run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="steps", db_index=False)
     position = models.PositiveIntegerField()
     name = models.CharField(max_length=255)
     outcome = models.CharField(max_length=16, choices=Outcome.choices)
@@ -205,7 +209,8 @@ class Signal(models.Model):
     """A signal sent to a run. Buffered until the run waits for it (then consumed at
     the journal position of that wait), so a signal sent early is never lost."""
 
-    run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="signals")
+    #: No index of its own (db_index=False): durable_signal_pending_idx starts with it.
+    run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="signals", db_index=False)
     name = models.CharField(max_length=255)
     payload = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(db_default=Now())
@@ -285,7 +290,9 @@ class StepSlot(models.Model):
         WAITING = "waiting"
 
     key = models.CharField(max_length=255)
-    run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="step_slots")
+    #: No index of its own (db_index=False): the unique constraint on (run, position) starts
+    #: with it, so it serves the joins, the lookups by run and the cascade on delete.
+    run = models.ForeignKey(WorkflowRun, on_delete=models.CASCADE, related_name="step_slots", db_index=False)
     #: The journal position of the step.
     position = models.PositiveIntegerField()
     status = models.CharField(max_length=8, choices=Status.choices)
