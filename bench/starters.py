@@ -86,11 +86,20 @@ class DispatchStarter:
 
         self.workflow = FirstStep
         self.background = background
+        self._before: dict[str, Any] = {}
 
     def begin(self) -> None:
+        """Publish this round's messages as ``background`` says, until ``end``."""
         from django.conf import settings
 
-        settings.DURABLE = {**getattr(settings, "DURABLE", {}), "PUBLISH_IN_BACKGROUND": self.background}
+        self._before = getattr(settings, "DURABLE", {})
+        settings.DURABLE = {**self._before, "PUBLISH_IN_BACKGROUND": self.background}
+
+    def end(self) -> None:
+        """Put back what ``begin`` changed: the sections after (a) dispatch with the default."""
+        from django.conf import settings
+
+        settings.DURABLE = self._before
 
     def start(self, key: str) -> bool:
         self.workflow.dispatch({"key": key})

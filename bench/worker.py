@@ -167,20 +167,24 @@ class _Worker:
         count = refused = 0
         if hasattr(starter, "begin"):
             starter.begin()
-        self.barriers[size].wait(timeout=120)
-        cpu0 = time.process_time()
-        t0 = time.perf_counter()
-        deadline = t0 + seconds
-        while True:
-            if not starter.start(keys[i % nkeys]):
-                refused += 1
-            i += 1
-            count += 1
-            if time.perf_counter() >= deadline:
-                break
-        if hasattr(starter, "finish"):
-            starter.finish()  # in the timed window: the round counts only what reached the broker
-        elapsed = time.perf_counter() - t0
+        try:
+            self.barriers[size].wait(timeout=120)
+            cpu0 = time.process_time()
+            t0 = time.perf_counter()
+            deadline = t0 + seconds
+            while True:
+                if not starter.start(keys[i % nkeys]):
+                    refused += 1
+                i += 1
+                count += 1
+                if time.perf_counter() >= deadline:
+                    break
+            if hasattr(starter, "finish"):
+                starter.finish()  # in the timed window: the round counts only what reached the broker
+            elapsed = time.perf_counter() - t0
+        finally:
+            if hasattr(starter, "end"):
+                starter.end()
         self.cursors[kind] = i
         return {"count": count, "elapsed": elapsed, "refused": refused, "cpu": time.process_time() - cpu0}
 
@@ -286,6 +290,9 @@ class _Worker:
 
         from bench.firststep import PROBE_TABLE, FirstStep, probe_write
         from durable.conf import settings as durable_settings
+
+        if not durable_settings.PUBLISH_IN_BACKGROUND:
+            raise RuntimeError("(f) measures the default dispatch: PUBLISH_IN_BACKGROUND is off in this process")
 
         body_of = {
             "dispatch": "SELECT (output ->> 'started')::float8 FROM durable_workflowrun "

@@ -244,3 +244,19 @@ def test_the_benchmark_is_no_management_command() -> None:
     commands = get_commands()
     assert "durable_bench" not in commands
     assert sorted(name for name, app in commands.items() if app == "durable") == ["durable"]
+
+
+def test_the_option_rows_of_a_leave_the_default_publisher_to_the_sections_after_them(settings) -> None:
+    """(a)'s option row turns PUBLISH_IN_BACKGROUND off for its rounds only: (f), later in
+    the same benchmark process, measures the default dispatch (it measured this option
+    before the setting was put back)."""
+    from bench import starters
+    from durable.conf import settings as durable_settings
+
+    settings.DURABLE = {"TASK_QUEUE": "q"}
+    starter = starters.DispatchStarter(background=False)
+    starter.begin()
+    assert (durable_settings.PUBLISH_IN_BACKGROUND, durable_settings.TASK_QUEUE) == (False, "q")
+    starter.end()
+    assert settings.DURABLE == {"TASK_QUEUE": "q"}
+    assert durable_settings.PUBLISH_IN_BACKGROUND is True
