@@ -12,14 +12,13 @@ again.
 
 from django.db import migrations, models
 
-#: (model, table, Django's name of its run_id index)
+#: (model, the foreign key's related_name, table, Django's name of its run_id index)
 INDEXES = [
-    ("runtag", "durable_runtag", "durable_runtag_run_id_ec2a92f9"),
-    ("signal", "durable_signal", "durable_signal_run_id_11abb04c"),
-    ("steprecord", "durable_steprecord", "durable_steprecord_run_id_70f40bc7"),
-    ("stepslot", "durable_stepslot", "durable_stepslot_run_id_42d9a971"),
+    ("runtag", "tags", "durable_runtag", "durable_runtag_run_id_ec2a92f9"),
+    ("signal", "signals", "durable_signal", "durable_signal_run_id_11abb04c"),
+    ("steprecord", "steps", "durable_steprecord", "durable_steprecord_run_id_70f40bc7"),
+    ("stepslot", "step_slots", "durable_stepslot", "durable_stepslot_run_id_42d9a971"),
 ]
-RELATED = {"runtag": "tags", "signal": "signals", "steprecord": "steps", "stepslot": "step_slots"}
 
 
 class Migration(migrations.Migration):
@@ -31,7 +30,7 @@ class Migration(migrations.Migration):
                 migrations.RunSQL(
                     f'DROP INDEX IF EXISTS "{index}"', f'CREATE INDEX IF NOT EXISTS "{index}" ON "{table}" ("run_id")'
                 )
-                for _, table, index in INDEXES
+                for _, _, table, index in INDEXES
             ],
             state_operations=[
                 migrations.AlterField(
@@ -40,11 +39,11 @@ class Migration(migrations.Migration):
                     field=models.ForeignKey(
                         db_index=False,
                         on_delete=models.deletion.CASCADE,
-                        related_name=RELATED[model],
+                        related_name=related_name,
                         to="durable.workflowrun",
                     ),
                 )
-                for model, _, _ in INDEXES
+                for model, related_name, _, _ in INDEXES
             ],
         )
     ]
