@@ -451,7 +451,7 @@ def _statement_counts(report: Report) -> dict[str, int]:
         f"{len(rejected)} / {len(queued)} / {len(handed)} / {len(executed)}",
         "BEGIN..COMMIT included; queued start: durable_admit_queued + the promote on commit (targets <= 3); "
         "hand-off: a running run's finish + Executor.released's promote on commit (target <= 3); one-step run: "
-        "Engine.execute of a pending run with a quota key (claim + journal read, step write, finish, promote; a run "
-        "without a key skips the promote: 3)",
+        "Engine.execute of a pending run with a REJECT quota key (claim + journal read, step write, finish; no promote "
+        "follows the finish, since no run of the key is queued)",
     )
     return {"reject": len(rejected), "queued": len(queued), "handoff": len(handed), "execute": len(executed)}

@@ -611,7 +611,7 @@ class Engine:
             logger.exception("Could not revoke the messages of cancelled run %s; the cancel goes on.", run.run_id)
         for child in self.store.active_children(run.run_id):
             self._cancel(child, reason=f"Cancelled with its parent run {run.run_id!r}.")
-        self.executor.ended(run, held_keys=held_slots)
+        self.executor.ended(run, hand_off=held_slots)
         if signals.run_finished.has_listeners(self):
             send_run_finished(self, run, RunStatus.CANCELLED, error=error)
 

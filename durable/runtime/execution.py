@@ -202,12 +202,12 @@ class Executor:
         finished = self.store.finish(run.run_id, lease, status=status, output=output, error=error)
         if not finished:
             return False
-        held_keys = not isinstance(finished, Finished) or finished.held_keys
+        hand_off = not isinstance(finished, Finished) or finished.hand_off
         # A step's slot is given back when the step ends (WorkflowContext.step); a run
         # that ends with slot rows (left by a dead execution, or a slot handed to it
         # that its replay never reached) hands them on here.
         slots = not isinstance(finished, Finished) or finished.held_slots
-        self._after(run, lambda run: self.ended(run, held_keys=held_keys, slots=slots))
+        self._after(run, lambda run: self.ended(run, hand_off=hand_off, slots=slots))
         if signals.run_finished.has_listeners(self.engine):
             send_run_finished(self.engine, run, status, output=output, error=error)
         return True
@@ -221,14 +221,14 @@ class Executor:
         except Exception:
             logger.warning("Run %s: a follow-up of its state change failed; the sweeper covers it.", run.run_id, exc_info=True)
 
-    def ended(self, run: RunRecord, *, held_keys: bool = True, slots: bool = True) -> None:
-        """A run reached a terminal status: free its slots (unless the store said it
-        held no quota key) and its steps' slots (``slots``), wake a parent waiting for it.
+    def ended(self, run: RunRecord, *, hand_off: bool = True, slots: bool = True) -> None:
+        """A run reached a terminal status: hand its keys' freed slots on (unless the
+        store said no hand-off follows) and its steps' slots (``slots``), wake a parent waiting for it.
 
         All happen after commit, outside any admission this end is part of (a
         CANCEL_IN_PROGRESS victim), so no keys are locked out of order.
         """
-        if held_keys:
+        if hand_off:
             self.released(run)
         if slots:
             run_id = run.run_id

@@ -1,8 +1,9 @@
 -- durable_take (durable_claim), durable_record_step, durable_end (and
 -- durable_finish): each state change of an execution in one round trip
--- (PostgreSQL). Installed by migration 0019 (0008 installed the first version,
+-- (PostgreSQL). Installed by migration 0022 (0008 installed the first version,
 -- 0012 the second, which records run durations; 0014 added durable_end; 0019
--- adds durable_take, the claim that may commit asynchronously); a change here
+-- added durable_take, the claim that may commit asynchronously; 0022 has
+-- durable_end say whether a hand-off must follow); a change here
 -- needs a new file in durable/sql/migrations/ and a migration that runs it. Each
 -- is the compare-and-set of the DjangoStore method of the same name on other
 -- databases; times come from the caller (p_now), as the ORM path takes them from
@@ -129,15 +130,29 @@ $$;
 -- durable_end: end a run running under p_lease with p_status (clearing the
 -- lease), mirror the status on its tags; NULL when the run no longer belongs to
 -- p_lease, else the number of the run's quota keys (its tags named
--- 'concurrency:...'): 0 means no slot was freed, so the caller skips the hand-off.
--- In the same statement as the tags, append the time the run held
--- each key's slot (now minus its tag's creation) to the key's recent_durations
--- (the last 16, what a refusal's Retry-After is estimated from): a sample, only
--- when the key's last one is a second old or more (durations_at), so a busy key's
--- row is not rewritten by every finish (each rewrite is a new row version that
--- every admission of the key reads past until it is pruned), and skipping a row
--- another transaction holds locked (a starter of the key): a finish never waits
--- for admission.
+-- 'concurrency:...') whose freed slot the caller must hand on (durable_promote,
+-- after commit); 0: no hand-off follows.
+--
+-- A key needs no hand-off when the call holds its row's lock and no run of the
+-- key is queued. The lock is only tried (SKIP LOCKED: a finish never waits for
+-- admission, and waits for no lock at all, so it adds no deadlock), and it is
+-- held until the commit: every start or re-entry that queues a run on the key
+-- does so under that lock, so it either committed before the lock was taken
+-- (the check, a statement of its own after the lock, sees its queued run) or
+-- waits for this commit and then counts this run as ended (it gets the slot
+-- itself, or queues behind runs that hold every slot). A key whose row another
+-- transaction holds (a starter of the key), or that has no row, is counted as
+-- needing the hand-off, as before 0022, where every key was. Before 0022 the
+-- caller called durable_promote after every end of a run with a key; with 0022
+-- a run of a REJECT key (or of a queueing key with an empty queue) ends in this
+-- one round trip.
+--
+-- In the same statement as the tags, append the time the run held each key's
+-- slot (now minus its tag's creation) to the key's recent_durations (the last
+-- 16, what a refusal's Retry-After is estimated from): a sample, only when the
+-- key's last one is a second old or more (durations_at), so a busy key's row
+-- is not rewritten by every finish (each rewrite is a new row version that
+-- every admission of the key reads past until it is pruned; a lock is not one).
 CREATE OR REPLACE FUNCTION durable_end(
     p_run_id text,
     p_lease text,
@@ -149,7 +164,8 @@ CREATE OR REPLACE FUNCTION durable_end(
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_pk bigint;
-    v_keys integer;
+    v_keys text[];
+    v_locked text[];
 BEGIN
     UPDATE durable_workflowrun r
        SET status = p_status, updated_at = p_now, output = p_output, error = p_error, lease = '', finished_at = p_now
@@ -162,9 +178,8 @@ BEGIN
         UPDATE durable_runtag t SET status = p_status WHERE t.run_id = v_pk
         RETURNING substr(t.tag, 13) AS key, left(t.tag, 12) = 'concurrency:' AS quota,
                   round(greatest(extract(epoch FROM p_now - t.created_at), 0)::numeric, 3) AS seconds
-    ), free AS (
-        SELECT l.key, h.seconds FROM durable_concurrencylock l JOIN held h ON h.quota AND l.key = h.key
-         WHERE l.durations_at IS NULL OR l.durations_at <= p_now - interval '1 second'
+    ), locked AS (
+        SELECT l.key, l.durations_at, h.seconds FROM durable_concurrencylock l JOIN held h ON h.quota AND l.key = h.key
            FOR UPDATE OF l SKIP LOCKED
     ), sampled AS (
         UPDATE durable_concurrencylock l
@@ -173,11 +188,15 @@ BEGIN
                    WHEN jsonb_array_length(COALESCE(l.recent_durations, '[]'::jsonb)) >= 16
                    THEN (l.recent_durations - 0) || to_jsonb(f.seconds)
                    ELSE COALESCE(l.recent_durations, '[]'::jsonb) || to_jsonb(f.seconds) END
-          FROM free f
-         WHERE l.key = f.key
+          FROM locked f
+         WHERE l.key = f.key AND (f.durations_at IS NULL OR f.durations_at <= p_now - interval '1 second')
     )
-    SELECT count(*) FILTER (WHERE held.quota) INTO v_keys FROM held;
-    RETURN v_keys;
+    SELECT ARRAY(SELECT h.key FROM held h WHERE h.quota), ARRAY(SELECT f.key FROM locked f)
+      INTO v_keys, v_locked;
+    -- A statement of its own: it sees every queued run committed before the locks were taken.
+    RETURN (SELECT count(*) FROM unnest(v_keys) AS k(key)
+             WHERE k.key <> ALL (v_locked)
+                OR EXISTS (SELECT 1 FROM durable_runtag t WHERE t.tag = 'concurrency:' || k.key AND t.status = 'queued'));
 END;
 $$;
 

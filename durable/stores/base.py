@@ -25,12 +25,13 @@ from durable.concurrency import Quota
 @dataclass(frozen=True)
 class Finished:
     """What ``BaseStore.finish`` may answer for a run it ended, instead of ``True``:
-    ``held_keys=False`` says the run held no quota key, so its end frees no slot and
-    no hand-off to queued runs follows; ``held_slots=False`` says it had no step slot
+    ``hand_off=False`` says no hand-off to queued runs follows its end: it held no
+    quota key, or (on PostgreSQL, ``durable_end``) no key of it has a queued run,
+    checked under the keys' locks; ``held_slots=False`` says it had no step slot
     row (held or waiting), so there is no step slot to hand on. A plain ``True``
-    means it may have held some of both."""
+    means both may follow."""
 
-    held_keys: bool = True
+    hand_off: bool = True
     held_slots: bool = True
 
     def __bool__(self) -> bool:

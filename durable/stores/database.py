@@ -626,7 +626,9 @@ class DjangoStore(BaseStore):
     @_reconnecting
     def finish(self, run_id: str, lease: str, *, status: str, output: Any = None, error: Any = None) -> bool | Finished:
         """On PostgreSQL one call of ``durable_end``, which also counts the run's quota
-        keys; whether the run has step slot rows is read in the same statement."""
+        keys that need a hand-off (none when each key's lock was free and no run of
+        it is queued: then no ``durable_promote`` follows); whether the run has step
+        slot rows is read in the same statement."""
         models = _models()
         connection = self._postgres()
         if connection is not None:
@@ -638,7 +640,7 @@ class DjangoStore(BaseStore):
                     [run_id, lease, status, _jsonb(output), _jsonb(error), timezone.now(), run_id],
                 )
                 keys, held_slots = cursor.fetchone()
-            return False if keys is None else Finished(held_keys=keys > 0, held_slots=held_slots)
+            return False if keys is None else Finished(hand_off=keys > 0, held_slots=held_slots)
         qs = self._runs().filter(run_id=run_id, status=RunStatus.RUNNING, lease=lease)
         has_slots = Exists(models.StepSlot.objects.using(self.using).filter(run_id=OuterRef("pk")))
         with transaction.atomic(using=self.using):
@@ -652,7 +654,7 @@ class DjangoStore(BaseStore):
             self._runs().filter(pk=pk).update(status=status, updated_at=now, **ended)
             models.RunTag.objects.using(self.using).filter(run_id=pk).update(status=status)
             held_keys = self._record_durations(run_id, now)
-        return Finished(held_keys=held_keys, held_slots=bool(held_slots))
+        return Finished(hand_off=held_keys, held_slots=bool(held_slots))
 
     def _record_durations(self, run_id: str, now: datetime) -> bool:
         """The generic path of what ``durable_end`` does on PostgreSQL: add the

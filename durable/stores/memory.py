@@ -251,7 +251,7 @@ class InMemoryStore(BaseStore):
             if run is None:
                 return False
             return Finished(
-                held_keys=any(tag.startswith(TAG_PREFIX) for tag in run.tags),
+                hand_off=any(tag.startswith(TAG_PREFIX) for tag in run.tags),
                 held_slots=any(r == run_id for r, _ in self._slots),
             )
 

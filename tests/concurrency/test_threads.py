@@ -13,6 +13,7 @@ from django.db import connection, connections
 from django.utils import timezone
 
 from durable import Concurrency, ConcurrencyLimitError, Engine, InMemoryStore, Strategy
+from durable.models import ConcurrencyLock
 from durable.runtime import Registry
 from durable.testing import wait_for
 from tests.threads import held_open, started
@@ -239,6 +240,32 @@ def test_a_queued_start_committing_after_the_slot_freed_is_handed_that_slot() ->
     queued = starter.outcome()
     assert queued.status == "queued"  # as the start decided it, under the lock
     assert queued.refresh().status == "pending"
+
+
+@pytest.mark.postgres
+def test_a_start_while_a_finish_that_skips_its_hand_off_commits_waits_and_takes_the_slot() -> None:
+    """The finish of the key's only run finds no queued run under the key's lock, so no
+    hand-off follows it (durable_end answers 0). A start that comes before that commit
+    must not queue behind the ending run: it waits for the lock the finish holds, then
+    counts the run as ended and is admitted at once. Without the lock it would count
+    the run still running, queue, and wait for a sweep, since nobody hands the slot on."""
+    key = f"ending:{uuid.uuid4().hex}"
+    engine = _restart_engine(_grr(key, 1))
+    holder = engine.start("w", {})
+    claimed = engine.store.claim_journal(holder.run_id, lease="l", worker="w", stale_before=timezone.now())
+    assert claimed is not None
+    # A duration sampled just now: the finish writes none to the key's row (which would lock it anyway).
+    assert ConcurrencyLock.objects.filter(key=key).update(durations_at=timezone.now()) == 1
+    promoted: list[Any] = []
+    real_promote = engine.store.promote
+    engine.store.promote = lambda *a, **k: promoted.append((a, k)) or real_promote(*a, **k)  # type: ignore[method-assign]
+    with held_open(lambda: engine.executor.finish(claimed[0], "l", "completed")) as finisher:
+        starter = started(lambda: engine.start("w", {}))
+        wait_for_lock_waiters(1)  # the start waits for the key's lock, which the finish holds
+    assert finisher.outcome() is True
+    started_run = starter.outcome()
+    assert started_run.status == "pending"
+    assert promoted == []  # no hand-off followed the finish (nor the start, admitted at once)
 
 
 @pytest.mark.postgres

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import psycopg
 import pytest
 from django.db import connection
 from django.test import TestCase
@@ -14,7 +15,7 @@ from durable import Concurrency, Engine, RunStatus, Strategy
 from durable.models import RunTag
 from durable.runtime import Registry
 from durable.stores import RunRecord, StepEntry
-from tests.queries import one_step_run_statements, one_step_workflow
+from tests.queries import one_step_run_statements, one_step_workflow, statements
 
 pytestmark = pytest.mark.django_db
 
@@ -135,9 +136,9 @@ def test_durable_finish_still_ends_a_run_for_workers_of_the_previous_release(eng
 
 #: A one-step run on PostgreSQL: durable_take (with the journal; it proves the run
 #: this execution's, so the first step reads nothing before it runs),
-#: durable_record_step and durable_end. A run without a quota key stops there; one
-#: with keys has, on the finish's commit, durable_promote hand on the slots it freed
-#: (it reads the run's keys itself).
+#: durable_record_step and durable_end. A run with quota keys stops there too when
+#: durable_end held each key's lock and found no queued run; else, on the finish's
+#: commit, durable_promote hands on the slots it freed (it reads the run's keys itself).
 ONE_STEP_RUN = [
     "SELECT durable_take(",
     "SELECT durable_record_step(",
@@ -155,12 +156,32 @@ def test_a_one_step_run_is_three_statements(engine: Engine) -> None:
 
 
 @pytest.mark.postgres
-def test_a_one_step_run_with_a_quota_key_promotes_after_its_finish(engine: Engine) -> None:
+def test_a_one_step_run_with_a_quota_key_and_nothing_queued_is_three_statements(engine: Engine) -> None:
     engine.register("queries.keyed", "1", one_step_workflow, Concurrency(key=lambda i: "k", limit=2))
     sql = one_step_run_statements(engine, "queries.keyed")
-    assert len(sql) == len(ONE_STEP_RUN) + 1, sql
-    for start, statement in zip([*ONE_STEP_RUN, "SELECT durable_promote("], sql, strict=True):
+    assert len(sql) == len(ONE_STEP_RUN), sql
+    for start, statement in zip(ONE_STEP_RUN, sql, strict=True):
         assert statement.startswith(start), (start, statement)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_finish_hands_off_when_a_starter_holds_its_keys_lock(engine: Engine) -> None:
+    """durable_end only tries the key's lock: held by another transaction (a starter
+    of the key, which may be queueing a run right now), the finish does not wait,
+    and durable_promote follows its commit, as for a key with a queued run."""
+    engine.register("queries.keyed", "1", one_step_workflow, Concurrency(key=lambda i: "held", limit=2))
+    engine.register("queries.free", "1", one_step_workflow, Concurrency(key=lambda i: "free", limit=2))
+    runs = {name: engine.start(name, {"n": 1}) for name in ("queries.keyed", "queries.free")}
+    with psycopg.connect(**connection.get_connection_params()) as other:  # a transaction, until the block ends
+        other.execute("SELECT 1 FROM durable_concurrencylock WHERE key = 'held' FOR UPDATE")
+        held, free = (statements(lambda run_id=run.run_id: engine.execute(run_id)) for run in runs.values())
+    assert all(run.result(timeout=1) == 2 for run in runs.values())
+    assert [statement.split("(")[0] for statement in held] == [
+        *(start.rstrip("(") for start in ONE_STEP_RUN),
+        "SELECT durable_promote",
+    ], held
+    assert len(free) == len(ONE_STEP_RUN), free  # a key nobody holds: no hand-off
 
 
 # -- GROUP_ROUND_ROBIN: a queued start and a hand-off (PostgreSQL) ------------------------------
