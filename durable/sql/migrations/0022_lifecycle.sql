@@ -141,11 +141,9 @@ $$;
 -- (the check, a statement of its own after the lock, sees its queued run) or
 -- waits for this commit and then counts this run as ended (it gets the slot
 -- itself, or queues behind runs that hold every slot). A key whose row another
--- transaction holds (a starter of the key), or that has no row, is counted as
--- needing the hand-off, as before 0022, where every key was. Before 0022 the
--- caller called durable_promote after every end of a run with a key; with 0022
--- a run of a REJECT key (or of a queueing key with an empty queue) ends in this
--- one round trip.
+-- transaction holds (a starter of the key), or that has no row, needs the
+-- hand-off, as every key did before 0022. So a run of a REJECT key (or of a
+-- queueing key with an empty queue) ends in this one round trip.
 --
 -- In the same statement as the tags, append the time the run held each key's
 -- slot (now minus its tag's creation) to the key's recent_durations (the last
