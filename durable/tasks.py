@@ -670,6 +670,51 @@ def _unblock_on_worker_start(sender: Any = None, **kwargs: Any) -> None:
         logger.exception("Could not unblock runs on worker start")
 
 
+def connection_advice(pool_cls: Any, app: Celery, alias: str = "default") -> tuple[int, str] | None:
+    """What a worker of ``pool_cls`` (its ``--pool``: a class or its name) should be told
+    about its connections to ``alias`` on PostgreSQL, as (logging level, message); None
+    when nothing. Celery's Django fix-up (``celery.fixups.django``) closes the Django
+    connections before and after every task, and in a prefork child it also closes
+    Django's connection pool; only its ``CELERY_DB_REUSE_MAX`` setting keeps them."""
+    from django.db import connections
+
+    connection = connections[alias]
+    if connection.vendor != "postgresql" or app.conf.get("CELERY_DB_REUSE_MAX"):
+        return None
+    pool = pool_cls if isinstance(pool_cls, str) else getattr(pool_cls, "__module__", "")
+    pooled = bool((connection.settings_dict.get("OPTIONS") or {}).get("pool"))
+    if pooled and "prefork" in pool:
+        return logging.WARNING, (
+            f"Celery closes the connection pool of DATABASES[{alias!r}] in each prefork child before and "
+            "after every task: every run this worker executes opens a new pool and a new PostgreSQL "
+            "connection, slower than without the pool. Run the worker with --pool=threads, or drop "
+            "OPTIONS['pool'] and put PgBouncer in front of PostgreSQL."
+        )
+    if not pooled:
+        return logging.INFO, (
+            f"Celery closes the connection to DATABASES[{alias!r}] before and after every task and it has "
+            "no pool: every run this worker executes opens a new PostgreSQL connection, whose first queries "
+            "cost several milliseconds more than on a connection already used. That is cheap behind "
+            "PgBouncer; otherwise give the worker OPTIONS['pool'] = True and --pool=threads."
+        )
+    return None
+
+
+@worker_ready.connect
+def _advise_on_connections(sender: Any = None, **kwargs: Any) -> None:
+    """Say once, as a worker comes up, when every run it executes pays a new connection."""
+    try:
+        from durable import engine
+
+        alias = getattr(engine.store, "using", None)  # a DjangoStore's database
+        advice = None if alias is None else connection_advice(sender.controller.pool_cls, sender.app, alias)
+    except Exception:  # advice only: a worker must start whatever happens here
+        logger.debug("Could not check the worker's database connections", exc_info=True)
+        return
+    if advice is not None:
+        logger.log(*advice)
+
+
 def beat_schedule() -> dict[str, dict[str, Any]]:
     """The periodic sweep, to merge into ``app.conf.beat_schedule``::
 
