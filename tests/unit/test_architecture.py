@@ -121,7 +121,7 @@ def test_durable_has_no_import_cycle() -> None:
     assert {"durable.models", "durable.tasks", "durable.runtime.engine", "durable.schedules.firing"} <= set(graph)
     # The graph sees real imports, function-local ones included.
     assert "durable.runtime.dispatch" in graph["durable.tasks"]
-    assert "durable.models" in graph["durable.stores.database"]
+    assert "durable.models" in graph["durable.stores.orm"]
     assert find_cycle(graph) == []
 
 
