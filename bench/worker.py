@@ -283,12 +283,9 @@ class _Worker:
         return {"handoffs": handoffs, "completed": completed, "elapsed": elapsed, "promote_us": promote_us, "queued_left": left}
 
     def first_step(self, samples: int, warm: int, timeout: float) -> Reply:
-        """Dispatch to first step vs apply_async to a bare task's body, interleaved, one at a time."""
-        import uuid
-
-        from django.db import connection
-
-        from bench.firststep import PROBE_TABLE, FirstStep, probe_write
+        """Dispatch to first step vs apply_async to a bare task's body, interleaved, one at a time;
+        also how long after each dispatch returned its message was on the broker."""
+        from bench.firststep import PROBE_TABLE
         from durable.conf import settings as durable_settings
 
         if not durable_settings.PUBLISH_IN_BACKGROUND:
@@ -301,6 +298,28 @@ class _Worker:
         }
         out: dict[str, list[int]] = {"dispatch": [], "baseline": []}
         calls: dict[str, list[int]] = {"dispatch": [], "baseline": []}
+        with _published_at() as published:
+            hops = self._first_steps(samples, warm, timeout, body_of, out, calls, published)
+        return {"latency_us": out, "call_us": calls, "hop_us": hops}
+
+    def _first_steps(
+        self,
+        samples: int,
+        warm: int,
+        timeout: float,
+        body_of: dict[str, str],
+        out: dict[str, list[int]],
+        calls: dict[str, list[int]],
+        published: dict[str, float],
+    ) -> list[int]:
+        import uuid
+
+        from django.db import connection
+
+        from bench.firststep import FirstStep, probe_write
+        from durable.conf import settings as durable_settings
+
+        hops: list[int] = []
         for i in range(warm + samples):
             for kind in ("dispatch", "baseline") if i % 2 == 0 else ("baseline", "dispatch"):
                 t0 = time.time()
@@ -325,7 +344,9 @@ class _Worker:
                 if i >= warm:
                     out[kind].append(int((float(row[0]) - t0) * 1e6))
                     calls[kind].append(int((returned - t0) * 1e6))
-        return {"latency_us": out, "call_us": calls}
+                    if kind == "dispatch" and token in published:
+                        hops.append(int((published[token] - returned) * 1e6))
+        return hops
 
     # -- helpers -------------------------------------------------------------
     def _own(self, message: dict[str, Any]) -> list[str]:
@@ -364,6 +385,28 @@ class _Worker:
         for starter in self.starters.values():
             with contextlib.suppress(Exception):
                 starter.close()
+
+
+@contextlib.contextmanager
+def _published_at() -> Iterator[dict[str, float]]:
+    """While the block runs, the time.time() at which the background publisher had each
+    run's message on the broker (its batch's pipeline answered), by run id."""
+    from durable import tasks
+
+    published: dict[str, float] = {}
+    publish_batch = tasks._publish_batch
+
+    def timed(app: Any, messages: list[Any]) -> None:
+        publish_batch(app, messages)
+        now = time.time()
+        for m in messages:
+            published[m.run_id] = now
+
+    tasks._publish_batch = timed
+    try:
+        yield published
+    finally:
+        tasks._publish_batch = publish_batch
 
 
 def _timed(call: Callable[[], Any], seconds: float, barrier: Any) -> Iterator[tuple[Any, int]]:
