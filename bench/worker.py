@@ -391,10 +391,10 @@ class _Worker:
 def _published_at() -> Iterator[dict[str, float]]:
     """While the block runs, the time.time() at which the background publisher had each
     run's message on the broker (its batch's pipeline answered), by run id."""
-    from durable import tasks
+    from durable.tasks import publishing
 
     published: dict[str, float] = {}
-    publish_batch = tasks._publish_batch
+    publish_batch = publishing._publish_batch
 
     def timed(app: Any, messages: list[Any]) -> None:
         publish_batch(app, messages)
@@ -402,11 +402,11 @@ def _published_at() -> Iterator[dict[str, float]]:
         for m in messages:
             published[m.run_id] = now
 
-    tasks._publish_batch = timed
+    publishing._publish_batch = timed
     try:
         yield published
     finally:
-        tasks._publish_batch = publish_batch
+        publishing._publish_batch = publish_batch
 
 
 def _timed(call: Callable[[], Any], seconds: float, barrier: Any) -> Iterator[tuple[Any, int]]:

@@ -23,7 +23,7 @@ import pytest
 from celery import signals
 
 from durable import DjangoStore, Engine, engine, models, tasks
-from durable.tasks import CeleryDispatcher
+from durable.tasks import CeleryDispatcher, publishing
 from testproject.celery import app as celery_app
 from tests.api.helpers import add_input
 from tests.processes import ROOT
@@ -141,13 +141,13 @@ def test_the_session_is_kept_between_batches_and_set_up_again_after_a_failure(
     e = _engine()
     first = e.start("test.add", add_input("s1")).run_id
     assert tasks.publisher.flush(timeout=10)
-    session = tasks._sessions[celery_app]
+    session = publishing._sessions[celery_app]
     second = e.start("test.add", add_input("s2")).run_id
     assert tasks.publisher.flush(timeout=10)
-    assert tasks._sessions[celery_app] is session  # no new producer, client or pipeline per batch
+    assert publishing._sessions[celery_app] is session  # no new producer, client or pipeline per batch
 
     failures: list[str] = []
-    flush = tasks._Session.flush
+    flush = publishing._Session.flush
 
     def fails_once(self: Any) -> None:
         if not failures:
@@ -155,10 +155,10 @@ def test_the_session_is_kept_between_batches_and_set_up_again_after_a_failure(
             raise ConnectionError("the connection broke")
         flush(self)
 
-    monkeypatch.setattr(tasks._Session, "flush", fails_once)
+    monkeypatch.setattr(publishing._Session, "flush", fails_once)
     third = e.start("test.add", add_input("s3")).run_id
     assert tasks.publisher.flush(timeout=10)
-    assert failures and tasks._sessions[celery_app] is not session
+    assert failures and publishing._sessions[celery_app] is not session
     # The failed batch was given up whole and published once more by a new session: once each.
     assert _ids(_drain(queue)) == sorted(tasks.task_id(run_id, 0) for run_id in (first, second, third))
 
@@ -171,14 +171,14 @@ def test_after_the_broker_was_unreachable_a_new_session_publishes(queue: str) ->
     e = _engine()
     before = e.start("test.add", add_input("u1")).run_id
     assert tasks.publisher.flush(timeout=10)
-    session = tasks._sessions[celery_app]
+    session = publishing._sessions[celery_app]
     dead = DeadBroker()
     try:
         lost = e.start("test.add", add_input("u2")).run_id  # logged; the sweeper would send it
         assert tasks.publisher.flush(timeout=30)
     finally:
         dead.restore()
-    assert tasks._sessions.get(celery_app) is not session  # closed when the pool was replaced: never again
+    assert publishing._sessions.get(celery_app) is not session  # closed when the pool was replaced: never again
     after = e.start("test.add", add_input("u3")).run_id
     assert tasks.publisher.flush(timeout=10)
     sent = _ids(_drain(queue))

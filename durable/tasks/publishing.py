@@ -1,8 +1,11 @@
-"""Thin Celery tasks (they take ids and call the engine) and the Celery dispatcher.
+"""The background publisher of run messages, and how durable's messages are sent.
 
-Messages are JSON, acknowledged late and requeued when the worker process dies,
-so a crash never loses a run; the engine's compare-and-set claim makes a
-duplicate delivery change nothing.
+``durable.tasks.publisher`` (this module's ``publisher``) publishes the message of a
+start, a hand-off or a recovery after the commit, from a thread of the process, in
+batches through a producer it keeps (one Redis pipeline a batch with kombu 5.7+); the
+run row is the outbox, so a message lost here is sent again by the sweeper. The tasks
+themselves are in ``durable.tasks.workers``, the dispatcher that hands the messages
+over in ``durable.tasks.sending``.
 """
 
 from __future__ import annotations
@@ -17,83 +20,19 @@ import os
 import queue as _queue_module
 import threading
 import time
-from datetime import datetime
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
-from celery import Celery, Task, shared_task, signals
-from celery.signals import worker_process_shutdown, worker_ready
+from celery import Celery, signals
+from celery.signals import worker_process_shutdown
 from celery.utils.saferepr import saferepr
 from django.core.signals import setting_changed
 from kombu.common import Broadcast, maybe_declare
 from kombu.exceptions import OperationalError
 
 from durable.conf import settings
-from durable.runtime import dispatch
+from durable.tasks.workers import EXECUTE_TASK
 
-if TYPE_CHECKING:
-    from durable.runtime.engine import Engine
-    from durable.stores.base import RunRecord
-
-logger = logging.getLogger(__name__)
-
-EXECUTE_TASK = "durable.execute_run"
-WAKE_TASK = "durable.wake_run"
-SWEEP_TASK = "durable.sweep"
-#: What the ``PeriodicTask`` row of each persisted schedule sends (see ``durable.schedules``).
-FIRE_SCHEDULE_TASK = "durable.fire_schedule"
-
-_TASK_OPTIONS: dict[str, Any] = {"acks_late": True, "reject_on_worker_lost": True, "serializer": "json", "ignore_result": True}
-
-
-@shared_task(name=EXECUTE_TASK, bind=True, max_retries=None, **_TASK_OPTIONS)
-def execute_run(self: Task, run_id: str) -> None:
-    """Execute the run; when an infrastructure error interrupted it (the run was
-    handed back ``pending``), deliver it again after a delay growing with each such
-    retry (``HEARTBEAT_INTERVAL * 2**n``, at most ``STALE_AFTER``). If that message
-    cannot be sent, the sweeper re-sends the pending run."""
-    from durable import engine
-
-    if engine.executor.execute(run_id):
-        raise self.retry(countdown=redelivery_delay(self.request.retries))
-
-
-def redelivery_delay(retries: int) -> float:
-    """Seconds before an interrupted run's next delivery (its ``retries``-th)."""
-    return min(float(settings.STALE_AFTER), float(settings.HEARTBEAT_INTERVAL) * 2 ** min(retries, 16))
-
-
-@shared_task(name=WAKE_TASK, **_TASK_OPTIONS)
-def wake_run(run_id: str) -> None:
-    """The timer of a sleep or a signal timeout (a late or repeated one does nothing)."""
-    from durable import engine
-
-    engine.executor.wake_due(run_id)
-
-
-@shared_task(name=SWEEP_TASK, serializer="json", ignore_result=True)
-def sweep() -> dict[str, list[str]]:
-    from durable import engine
-
-    return engine.sweep()
-
-
-@shared_task(name=FIRE_SCHEDULE_TASK, acks_late=True, reject_on_worker_lost=True, serializer="json", ignore_result=True)
-def fire_schedule(schedule_id: int) -> None:
-    """Start the run of the schedule's current window (idempotent per window)."""
-    from durable import schedules
-
-    schedules.fire(int(schedule_id))
-
-
-def task_id(run_id: str, generation: int) -> str:
-    """The Celery task id of a run's messages: the same for every message of one generation."""
-    return f"{run_id}:{generation}"
-
-
-def _queue(queue: str = "") -> dict[str, Any]:
-    chosen = queue or settings.TASK_QUEUE
-    return {"queue": chosen} if chosen else {}
-
+logger = logging.getLogger("durable.tasks")  # the package's logger, as documented
 
 #: How ``send_run`` and ``send_wake`` publish: one quick retry (a pooled
 #: connection gone stale after a broker restart reconnects), then give up, so a
@@ -102,75 +41,12 @@ def _queue(queue: str = "") -> dict[str, Any]:
 SEND_RETRY_POLICY: dict[str, Any] = {"max_retries": 1, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.2}
 
 
-def send_run(run_id: str, *, task_id: str, queue: str = "") -> bool:
-    """Send one run to the workers (called on commit). ``queue``: a remote workflow's queue.
-
-    Never raises: the run is committed already, and a run whose message is lost
-    stays ``pending`` until the sweeper sends it again (``REDISPATCH_AFTER``).
-    A failed send is logged; returns whether the broker took the message.
-    """
-    try:
-        execute_run.apply_async(
-            args=(run_id,), task_id=task_id, serializer="json", retry_policy=SEND_RETRY_POLICY, **_queue(queue)
-        )
-    except Exception as exc:
-        logger.error(
-            "Could not send run %s to the broker (%s: %s). The run is saved as pending; "
-            "the sweeper sends it again after REDISPATCH_AFTER (%ss).",
-            run_id,
-            type(exc).__name__,
-            exc,
-            settings.REDISPATCH_AFTER,
-            exc_info=_traceback(exc),
-        )
-        return False
-    return True
+def queue_options(queue: str = "") -> dict[str, Any]:
+    chosen = queue or settings.TASK_QUEUE
+    return {"queue": chosen} if chosen else {}
 
 
-def send_wake(run_id: str, *, eta: datetime, queue: str = "") -> bool:
-    """Ask a worker to wake the run at ``eta``.
-
-    Only a fast path: Redis may deliver a long ETA twice (after its visibility
-    timeout), and a lost one is covered by the sweeper, which wakes due runs
-    from the database. So a failed send is logged, never raised.
-    """
-    try:
-        wake_run.apply_async(args=(run_id,), eta=eta, serializer="json", retry_policy=SEND_RETRY_POLICY, **_queue(queue))
-    except Exception as exc:
-        logger.error(
-            "Could not send the timer of run %s to the broker (%s: %s); the sweeper wakes the run when it is due.",
-            run_id,
-            type(exc).__name__,
-            exc,
-            exc_info=_traceback(exc),
-        )
-        return False
-    return True
-
-
-def revoke(task_id: str) -> bool:
-    """Ask the workers to drop the messages of a cancelled run they have not started.
-
-    Best effort, never raises: a message that still arrives finds the run
-    cancelled and does nothing. A failed revoke is logged.
-    """
-    try:
-        execute_run.app.control.revoke(task_id)
-    except Exception as exc:
-        logger.error(
-            "Could not revoke the messages of run %s (task %s) on the broker (%s: %s); the run is cancelled, "
-            "and a message that still arrives does nothing.",
-            task_id.rpartition(":")[0],
-            task_id,
-            type(exc).__name__,
-            exc,
-            exc_info=_traceback(exc),
-        )
-        return False
-    return True
-
-
-def _traceback(exc: BaseException, app: Celery | None = None) -> bool:
+def wants_traceback(exc: BaseException, app: Celery | None = None) -> bool:
     """Whether a failed send deserves a traceback: not for the broker being unreachable."""
     errors: tuple[type[BaseException], ...] = (OperationalError, OSError)
     if app is not None:
@@ -333,7 +209,7 @@ def _publish(app: Celery, messages: list[_Message]) -> None:
     the claim is a compare-and-set)."""
     for attempt in range(2):
         try:
-            if _app_conf(app).sent_event:
+            if app_conf(app).sent_event:
                 _publish_each(app, messages)
             else:
                 _publish_batch(app, messages)
@@ -353,7 +229,7 @@ def _publish(app: Celery, messages: list[_Message]) -> None:
         type(error).__name__,
         error,
         settings.REDISPATCH_AFTER,
-        exc_info=_traceback(error, app),
+        exc_info=wants_traceback(error, app),
     )
 
 
@@ -369,7 +245,7 @@ def _publish_each(app: Celery, messages: list[_Message]) -> None:
             retry_policy=SEND_RETRY_POLICY,
             root_id=m.root_id,
             parent_id=m.parent_id,
-            **_queue(m.queue or ""),
+            **queue_options(m.queue or ""),
         )
         if m.context is not None:
             m.context.run(send)
@@ -407,7 +283,7 @@ CONF_TTL = 1.0
 _app_confs: dict[Celery, _AppConf] = {}
 
 
-def _app_conf(app: Celery) -> _AppConf:
+def app_conf(app: Celery) -> _AppConf:
     known = _app_confs.get(app)
     if known is not None and time.monotonic() - known.read_at < CONF_TTL:
         return known
@@ -514,7 +390,7 @@ def _forget_sessions() -> None:
 def _publish_batch(app: Celery, messages: list[_Message]) -> None:
     """Through the thread's session for ``app`` (one Redis pipeline per batch with kombu 5.7+),
     from one template message; a failure closes the session and is raised to ``_publish``."""
-    amqp, conf = app.amqp, _app_conf(app)
+    amqp, conf = app.amqp, app_conf(app)
     task, options, headers, properties, embed, defaults = (
         conf.task,
         conf.options,
@@ -607,120 +483,3 @@ def _destination(amqp: Any, route: dict[str, Any], defaults: _Defaults) -> tuple
         routing_key = routing_key or getattr(queue, "routing_key", None) or defaults.routing_key
     declare = queue if queue is not None and not isinstance(queue, Broadcast) else None
     return exchange, routing_key, delivery_mode, declare
-
-
-def publish_run(run_id: str, *, task_id: str, queue: str = "") -> None:
-    """The on-commit send of a run: handed to the background ``publisher``, or sent at once
-    with ``send_run`` when Celery runs tasks eagerly (``task_always_eager``: the run executes
-    before the call returns, as ``apply_async`` would) or ``PUBLISH_IN_BACKGROUND`` is off."""
-    app = execute_run.app
-    # Celery's own order: a value set on app.conf wins over the settings it was configured from.
-    eager = app.conf.changes.get("task_always_eager", None)
-    if eager is None:
-        eager = _app_conf(app).eager
-    if eager or not settings.PUBLISH_IN_BACKGROUND:
-        send_run(run_id, task_id=task_id, queue=queue)
-        return
-    publisher.submit(app, run_id, task_id, queue or settings.TASK_QUEUE or None)
-
-
-def live_queues(timeout: float = 1.0) -> list[str]:
-    """The queues that live Celery workers consume (asks them; waits ``timeout`` seconds)."""
-    replies = execute_run.app.control.inspect(timeout=timeout).active_queues() or {}
-    return sorted({queue["name"] for queues in replies.values() for queue in queues})
-
-
-class CeleryDispatcher(dispatch.Dispatcher):
-    """Send the run's id to a Celery worker once the current transaction commits.
-
-    The task id is ``<run id>:<generation>``, so cancelling a run can revoke its
-    messages (those not yet started are dropped) without touching a later retry's.
-    Sends and revokes run after the commit, so they never raise: a failure is
-    logged and a run left ``pending`` is sent again by the sweeper.
-    """
-
-    def send(self, engine: Engine, run: RunRecord) -> None:
-        run_id, queue = run.run_id, run.queue
-        message_id = task_id(run.run_id, run.generation)
-        engine.store.on_commit(lambda: publish_run(run_id, task_id=message_id, queue=queue))
-
-    def revoke(self, engine: Engine, run: RunRecord) -> None:
-        message_id = task_id(run.run_id, run.generation)
-        engine.store.on_commit(lambda: revoke(message_id))
-
-    def wake_later(self, engine: Engine, run: RunRecord, eta: datetime) -> None:
-        send_wake(run.run_id, eta=eta, queue=run.queue)
-
-    def live_queues(self) -> list[str]:
-        return live_queues()
-
-
-@worker_ready.connect
-def _unblock_on_worker_start(sender: Any = None, **kwargs: Any) -> None:
-    """A worker came up: runs blocked on the queues it consumes can go now."""
-    try:
-        queues = [q.name for q in sender.task_consumer.queues]
-        from durable import engine
-
-        # Only unblock: this worker knows its own queues, not which others are served.
-        unblocked = engine.executor.check_remote_queues(live_queues=queues, block=False)[1]
-        if unblocked:
-            logger.info("Unblocked %d runs waiting for queues %s.", len(unblocked), ", ".join(queues))
-    except Exception:  # a worker must start even if this fails: the sweeper covers it
-        logger.exception("Could not unblock runs on worker start")
-
-
-def connection_advice(pool_cls: Any, app: Celery, alias: str = "default") -> tuple[int, str] | None:
-    """What a worker of ``pool_cls`` (its ``--pool``: a class or its name) should be told
-    about its connections to ``alias`` on PostgreSQL, as (logging level, message); None
-    when nothing. Celery's Django fix-up (``celery.fixups.django``) closes the Django
-    connections before and after every task, and in a prefork child it also closes
-    Django's connection pool; only its ``CELERY_DB_REUSE_MAX`` setting keeps them."""
-    from django.db import connections
-
-    connection = connections[alias]
-    if connection.vendor != "postgresql" or app.conf.get("CELERY_DB_REUSE_MAX"):
-        return None
-    pool = pool_cls if isinstance(pool_cls, str) else getattr(pool_cls, "__module__", "")
-    pooled = bool((connection.settings_dict.get("OPTIONS") or {}).get("pool"))
-    if pooled and "prefork" in pool:
-        return logging.WARNING, (
-            f"Celery closes the connection pool of DATABASES[{alias!r}] in each prefork child before and "
-            "after every task: every run this worker executes opens a new pool and a new PostgreSQL "
-            "connection, slower than without the pool. Run the worker with --pool=threads, or drop "
-            "OPTIONS['pool'] and put PgBouncer in front of PostgreSQL."
-        )
-    if not pooled:
-        return logging.INFO, (
-            f"Celery closes the connection to DATABASES[{alias!r}] before and after every task and it has "
-            "no pool: every run this worker executes opens a new PostgreSQL connection, whose first queries "
-            "cost several milliseconds more than on a connection already used. That is cheap behind "
-            "PgBouncer; otherwise give the worker OPTIONS['pool'] = True and --pool=threads."
-        )
-    return None
-
-
-@worker_ready.connect
-def _advise_on_connections(sender: Any = None, **kwargs: Any) -> None:
-    """Say once, as a worker comes up, when every run it executes pays a new connection."""
-    try:
-        from durable import engine
-
-        alias = getattr(engine.store, "using", None)  # a DjangoStore's database
-        advice = None if alias is None else connection_advice(sender.controller.pool_cls, sender.app, alias)
-    except Exception:  # advice only: a worker must start whatever happens here
-        logger.debug("Could not check the worker's database connections", exc_info=True)
-        return
-    if advice is not None:
-        logger.log(*advice)
-
-
-def beat_schedule() -> dict[str, dict[str, Any]]:
-    """The periodic sweep, to merge into ``app.conf.beat_schedule``::
-
-    app.conf.beat_schedule = {**durable.tasks.beat_schedule(), ...}
-    """
-    entry: dict[str, Any] = {"task": SWEEP_TASK, "schedule": float(settings.SWEEP_INTERVAL)}
-    if settings.TASK_QUEUE:
-        entry["options"] = {"queue": settings.TASK_QUEUE}
-    return {"durable-sweep": entry}
