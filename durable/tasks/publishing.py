@@ -42,6 +42,7 @@ SEND_RETRY_POLICY: dict[str, Any] = {"max_retries": 1, "interval_start": 0, "int
 
 
 def queue_options(queue: str = "") -> dict[str, Any]:
+    """The ``queue`` option of a message: ``queue``, else ``TASK_QUEUE``, else none (Celery routes it)."""
     chosen = queue or settings.TASK_QUEUE
     return {"queue": chosen} if chosen else {}
 
