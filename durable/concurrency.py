@@ -3,7 +3,7 @@
 Resolution turns a declaration plus a run's input into a ``Quota``: a plain key
 string, an integer limit and the statuses to count. Admission (lock the key's
 row, count, insert) is done by the engine through the store, see
-``durable.runtime.engine``.
+``durable.runtime.starting``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from durable.api import views
 app_name = "durable"
 
 # Quota keys may contain "/", and so may the ids of runs created before run ids
-# were refused one (``durable.runtime.engine._check_run_id``: no "/", no control
+# were refused one (``durable.runtime.starting._check_run_id``: no "/", no control
 # characters, which ``path`` cannot match either). The sub-resources of a run come
 # before its detail route so that ``runs/<id>/cancel/`` (or ``signal/``) is never read as a run id.
 urlpatterns: list[URLPattern] = [

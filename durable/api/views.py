@@ -23,7 +23,8 @@ from rest_framework.serializers import BaseSerializer
 from durable import exceptions, models, querysets, quotas, schedules
 from durable.api import errors, idempotency, pagination, parsers, permissions, serializers, tenancy
 from durable.concurrency import MAX_KEY_LENGTH
-from durable.runtime.engine import MAX_RUN_ID_LENGTH, Engine, RunHandle
+from durable.runtime.engine import Engine, RunHandle
+from durable.runtime.starting import MAX_RUN_ID_LENGTH
 from durable.util import check_json
 
 
