@@ -20,11 +20,12 @@ from durable.status import DEFAULT_CONCURRENCY_STATUSES
 
 Progress = Callable[[str], None]
 
-KINDS = ("dispatch", "dispatch_sync", "durable", "raw", "procrastinate", "dbos")
+KINDS = ("dispatch", "dispatch_unbatched", "dispatch_sync", "durable", "raw", "procrastinate", "dbos")
 #: The kinds that send a Celery message per start (counted in the queue after each round).
-DISPATCH_KINDS = ("dispatch", "dispatch_sync")
+DISPATCH_KINDS = ("dispatch", "dispatch_unbatched", "dispatch_sync")
 LABELS = {
     "dispatch": "durable Wf.dispatch (Celery message to Redis)",
+    "dispatch_unbatched": "option: Wf.dispatch, each batch at once (PUBLISH_BATCH_INTERVAL 0)",
     "dispatch_sync": "option: Wf.dispatch, message sent on the caller's thread (PUBLISH_IN_BACKGROUND off)",
     "durable": "shortcut: Engine.start, no-op dispatch (runs never execute)",
     "raw": "raw psycopg transaction",
@@ -162,6 +163,11 @@ def _measure_a(
             if value is not None:
                 report.row("a", f"ratio dispatch/{other}, {n} proc", _report.ratio(value), detail.strip(" ()"))
     for n in opts.procs:
+        value, detail = ratio("dispatch", "dispatch_unbatched", n)
+        if value is not None:
+            label = f"ratio dispatch/option each batch at once, {n} proc"
+            report.row("a", label, _report.ratio(value), detail.strip(" ()"))
+    for n in opts.procs:
         value, detail = ratio("dispatch", "dispatch_sync", n)
         if value is not None:
             label = f"ratio dispatch/option sent on the caller's thread, {n} proc"
@@ -197,17 +203,20 @@ def _measure_a(
         rounds = ", ".join(f"{length:,} of {sent:,}" for sent, length in queued)
         lost = "" if all(sent == length for sent, length in queued) else " (MISMATCH: messages missing)"
         report.note(
-            f"(a) dispatch and the option sent on the caller's thread: messages in the Redis queue {opts.pool_queue} "
+            f"(a) dispatch and its options: messages in the Redis queue {opts.pool_queue} "
             f"after each round (nothing consumes it; purged after each round): {rounds}{lost}"
         )
     report.note(
         "(a) dispatch: FirstStep.dispatch (bench/firststep.py, a DurableWorkflow on durable's default engine): "
         "the admission transaction, then on commit the Celery message handed to durable's background publisher, "
-        "which publishes it to the --broker (one Redis pipeline per batch); each round ends when the publisher "
+        "which publishes it to the --broker (one Redis pipeline per batch, batches at least PUBLISH_BATCH_INTERVAL, "
+        "5 ms by default, apart); each round ends when the publisher "
         "has published every message of the round (durable.tasks.publisher.flush, inside the timed window and the "
         "CPU time, which counts every thread of the process). DEBUG off in the benchmark processes. Option sent on "
         "the caller's thread: the same with PUBLISH_IN_BACKGROUND off (execute_run.apply_async after the commit, "
-        "as before the publisher). Shortcut: Engine.start with a no-op dispatch, the same transaction and no message "
+        "as before the publisher). Option each batch at once: the default dispatch with PUBLISH_BATCH_INTERVAL 0 "
+        "(a batch as soon as the publisher's thread gets to it: one message per pipeline at these rates). "
+        "Shortcut: Engine.start with a no-op dispatch, the same transaction and no message "
         "(those runs never execute); raw: the same transaction in psycopg 3 (BEGIN; SELECT lock row FOR UPDATE; "
         "COUNT tags; INSERT run; INSERT tag; COMMIT); procrastinate: task.defer() on a SyncPsycopgConnector app; "
         "DBOS: DBOSClient.enqueue() onto a queue (no executor running). Ratios are medians of per-round ratios, "

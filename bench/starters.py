@@ -77,23 +77,28 @@ class DispatchStarter:
     ``background``: the message goes through durable's background publisher (the
     default, ``PUBLISH_IN_BACKGROUND``); False sends it on the caller's thread once
     the transaction commits (``apply_async``, the path before the publisher).
+    ``batch_interval``: the publisher's ``PUBLISH_BATCH_INTERVAL`` (None: the default).
     ``finish`` waits until every message of the round is on the broker: the round's
     time includes it.
     """
 
-    def __init__(self, background: bool = True) -> None:
+    def __init__(self, background: bool = True, batch_interval: float | None = None) -> None:
         from bench.firststep import FirstStep
 
         self.workflow = FirstStep
         self.background = background
+        self.batch_interval = batch_interval
         self._before: dict[str, Any] = {}
 
     def begin(self) -> None:
-        """Publish this round's messages as ``background`` says, until ``end``."""
+        """Publish this round's messages as ``background`` and ``batch_interval`` say, until ``end``."""
         from django.conf import settings
 
         self._before = getattr(settings, "DURABLE", {})
-        settings.DURABLE = {**self._before, "PUBLISH_IN_BACKGROUND": self.background}
+        chosen: dict[str, Any] = {"PUBLISH_IN_BACKGROUND": self.background}
+        if self.batch_interval is not None:
+            chosen["PUBLISH_BATCH_INTERVAL"] = self.batch_interval
+        settings.DURABLE = {**self._before, **chosen}
 
     def end(self) -> None:
         """Put back what ``begin`` changed: the sections after (a) dispatch with the default."""

@@ -8,7 +8,7 @@ starts on a barrier shared by the processes taking part.
 
 Commands (``cmd``):
 
-- ``prepare``: open the starter of ``kind`` (dispatch, dispatch_sync, durable, raw, procrastinate, dbos;
+- ``prepare``: open the starter of ``kind`` (dispatch, dispatch_sync, dispatch_unbatched, durable, raw, procrastinate, dbos;
   ``hot`` registers the hot workflow with ``limit``; ``latency`` opens durable on
   each of ``aliases``) and warm it up.
 - ``rate``: start runs of ``kind`` round-robin over this process's ``nkeys`` keys
@@ -155,7 +155,7 @@ class _Worker:
             keys = self._keys(kind, int(message["nkeys"]))
             # One start per key: creates the keys' lock rows (a one-time cost per
             # key) and warms the connection, so the timed runs see steady state.
-            warm = keys if kind in ("dispatch", "dispatch_sync", "durable", "raw") else keys[:20]
+            warm = keys if kind in ("dispatch", "dispatch_sync", "dispatch_unbatched", "durable", "raw") else keys[:20]
             for key in warm:
                 starter.start(key)
         return {"ok": True}
@@ -369,6 +369,8 @@ class _Worker:
             return starters.DispatchStarter()
         if kind == "dispatch_sync":
             return starters.DispatchStarter(background=False)
+        if kind == "dispatch_unbatched":
+            return starters.DispatchStarter(batch_interval=0)
         if kind.startswith("durable@"):
             return starters.DurableStarter(using=kind.partition("@")[2])
         if kind.startswith("roundtrip@"):

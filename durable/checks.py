@@ -64,6 +64,17 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckM
                     id="durable.E003",
                 )
             )
+    interval = conf.settings.PUBLISH_BATCH_INTERVAL
+    if not conf.valid_batch_interval(interval):
+        errors.append(
+            checks.Error(
+                f"DURABLE['PUBLISH_BATCH_INTERVAL'] must be a number of seconds from 0 to "
+                f"{conf.MAX_PUBLISH_BATCH_INTERVAL:g}; it is {interval!r}.",
+                hint="0 publishes each message as soon as the publisher's thread gets to it; "
+                f"the publisher uses the default ({conf.Defaults.PUBLISH_BATCH_INTERVAL:g}) meanwhile.",
+                id="durable.E005",
+            )
+        )
     try:
         retention.retention_policy()
     except ImproperlyConfigured as exc:

@@ -40,6 +40,12 @@ class Defaults:
     #: the caller does not wait for the broker. False: send it on the caller's
     #: thread once the transaction commits.
     PUBLISH_IN_BACKGROUND: bool = True
+    #: Shortest time in seconds between two batches of the background publisher:
+    #: a message that comes sooner after the last batch waits for the rest of it
+    #: and goes out with the messages that came meanwhile (one Redis pipeline);
+    #: one that comes later goes at once. 0: each batch as soon as the thread
+    #: gets to it. See ``publish_batch_interval``.
+    PUBLISH_BATCH_INTERVAL: float = 0.005
     #: Seconds between two sweeps (used by ``durable.tasks.beat_schedule()``).
     SWEEP_INTERVAL: float = 15.0
     #: How many times a run is started by a worker before it is marked ``dead``.
@@ -121,3 +127,27 @@ def _whole_seconds(value: Any) -> int:
         return max(1, math.ceil(float(value)))
     except (TypeError, ValueError, OverflowError):
         return 1
+
+
+#: The longest ``PUBLISH_BATCH_INTERVAL`` (seconds) durable accepts.
+MAX_PUBLISH_BATCH_INTERVAL = 1.0
+
+
+def publish_batch_interval() -> float:
+    """``PUBLISH_BATCH_INTERVAL`` as the publisher uses it: seconds between 0 and
+    ``MAX_PUBLISH_BATCH_INTERVAL``. A misconfigured value (the system check
+    durable.E005 reports it) gives the default, never an error in the publisher."""
+    value = settings.PUBLISH_BATCH_INTERVAL
+    if not valid_batch_interval(value):
+        return _DEFAULTS.PUBLISH_BATCH_INTERVAL
+    return float(value)
+
+
+def valid_batch_interval(value: Any) -> bool:
+    """Whether ``value`` is a ``PUBLISH_BATCH_INTERVAL`` durable accepts."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and math.isfinite(value)
+        and 0 <= value <= MAX_PUBLISH_BATCH_INTERVAL
+    )

@@ -167,13 +167,17 @@ def test_start_rate_section_dispatches_to_redis_and_prints_the_shortcut_apart() 
     assert row(lines, "a", "ratio dispatch/raw, 1 proc", r"\d+\.\d\dx")
     sync = "option: Wf.dispatch, message sent on the caller's thread (PUBLISH_IN_BACKGROUND off), 1 proc"
     assert row(lines, "a", sync, r"[\d,]+ /s")
+    unbatched = "option: Wf.dispatch, each batch at once (PUBLISH_BATCH_INTERVAL 0), 1 proc"
+    assert row(lines, "a", unbatched, r"[\d,]+ /s")
+    assert row(lines, "a", "ratio dispatch/option each batch at once, 1 proc", r"\d+\.\d\dx")
     # Every message sent reached the broker's queue (nothing consumed it) by the end of its
-    # round, in both rounds (the background publisher's and the caller's thread's); then removed.
+    # round, in the three rounds (the background publisher's with and without its batch
+    # interval, and the caller's thread's); then removed.
     [note] = [line for line in lines if "messages in the Redis queue" in line]
     found = re.search(r"queue (?P<queue>\S+) after each round [^:]*: (?P<rounds>.*)$", note)
     assert found is not None, note
     rounds = re.findall(r"(\d+(?:,\d{3})*) of (\d+(?:,\d{3})*)", found["rounds"])
-    assert len(rounds) == 2, note
+    assert len(rounds) == 3, note
     assert all(length == sent and int(sent.replace(",", "")) > 0 for length, sent in rounds), note
     assert redis.Redis.from_url(broker).llen(found["queue"]) == 0
     raw, procrastinate = targets(lines)
@@ -263,3 +267,9 @@ def test_the_option_rows_of_a_leave_the_default_publisher_to_the_sections_after_
     starter.end()
     assert settings.DURABLE == {"TASK_QUEUE": "q"}
     assert durable_settings.PUBLISH_IN_BACKGROUND is True
+    unbatched = starters.DispatchStarter(batch_interval=0)
+    unbatched.begin()
+    assert (durable_settings.PUBLISH_IN_BACKGROUND, durable_settings.PUBLISH_BATCH_INTERVAL) == (True, 0)
+    unbatched.end()
+    assert settings.DURABLE == {"TASK_QUEUE": "q"}
+    assert durable_settings.PUBLISH_BATCH_INTERVAL == 0.005

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 from celery import signals
 
-from durable import DjangoStore, Engine, engine, models, tasks
+from durable import DjangoStore, Engine, conf, engine, models, tasks
 from durable.tasks import CeleryDispatcher, publishing
 from testproject.celery import app as celery_app
 from tests.api.helpers import add_input
@@ -199,6 +200,74 @@ def test_many_threads_starting_at_once_each_get_exactly_one_message(queue: str) 
     run_ids = [run_id for w in workers for run_id in w.outcome()]
     assert tasks.publisher.flush(timeout=60)
     assert len(set(run_ids)) == threads * per_thread
+    assert _ids(_drain(queue)) == sorted(tasks.task_id(run_id, 0) for run_id in run_ids)
+
+
+def _batches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, list[str]]]:
+    """Each batch the publisher publishes from now on: (time.monotonic() as it went out, its run ids)."""
+    batches: list[tuple[float, list[str]]] = []
+    publish_batch = publishing._publish_batch
+
+    def recorded(app: Any, messages: list[Any]) -> None:
+        batches.append((time.monotonic(), [m.run_id for m in messages]))
+        publish_batch(app, messages)
+
+    monkeypatch.setattr(publishing, "_publish_batch", recorded)
+    return batches
+
+
+def test_messages_soon_after_a_batch_wait_for_the_interval_and_go_out_together(
+    queue: str, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    interval = 1.0  # the longest allowed: long beside the starts of the burst, even on a slow machine
+    settings.DURABLE = {**settings.DURABLE, "PUBLISH_BATCH_INTERVAL": interval}
+    e = _engine()
+    assert tasks.publisher.flush(timeout=10)
+    time.sleep(interval)  # a quiet spell: the last batch of the publisher is older than the interval
+    batches = _batches(monkeypatch)
+    first = e.start("test.add", add_input("i0")).run_id
+    assert tasks.publisher.flush(timeout=interval / 2)  # after a quiet spell: at once
+    burst = [e.start("test.add", add_input(f"i{n}")).run_id for n in range(1, 6)]
+    assert not tasks.publisher.flush(timeout=interval / 8)  # right after a batch: waiting out the interval
+    assert tasks.publisher.flush(timeout=10)
+    assert [ids for _, ids in batches] == [[first], burst]  # the five in one pipeline
+    assert batches[1][0] - batches[0][0] >= interval * 0.99
+    assert _ids(_drain(queue)) == sorted(tasks.task_id(run_id, 0) for run_id in [first, *burst])
+
+
+def test_with_no_interval_a_message_right_after_a_batch_goes_at_once(
+    queue: str, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings.DURABLE = {**settings.DURABLE, "PUBLISH_BATCH_INTERVAL": 0}
+    slept: list[float] = []
+    sleep = time.sleep
+
+    def recorded(seconds: float) -> None:
+        if threading.current_thread() is tasks.publisher._thread:
+            slept.append(seconds)
+        sleep(seconds)
+
+    monkeypatch.setattr(publishing.time, "sleep", recorded)
+    e = _engine()
+    batches = _batches(monkeypatch)
+    first = e.start("test.add", add_input("z0")).run_id
+    assert tasks.publisher.flush(timeout=10)
+    second = e.start("test.add", add_input("z1")).run_id  # right after a batch
+    assert tasks.publisher.flush(timeout=10)
+    assert [ids for _, ids in batches] == [[first], [second]]
+    assert slept == []  # the default interval would have made the thread wait for the second
+    assert _ids(_drain(queue)) == sorted(tasks.task_id(run_id, 0) for run_id in (first, second))
+
+
+def test_a_misconfigured_interval_gives_the_default_and_never_stops_the_publisher(
+    queue: str, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings.DURABLE = {**settings.DURABLE, "PUBLISH_BATCH_INTERVAL": "5ms"}
+    assert conf.publish_batch_interval() == conf.Defaults.PUBLISH_BATCH_INTERVAL
+    batches = _batches(monkeypatch)
+    run_ids = [_engine().start("test.add", add_input(f"m{n}")).run_id for n in range(3)]
+    assert tasks.publisher.flush(timeout=10)
+    assert sorted(run_id for _, ids in batches for run_id in ids) == sorted(run_ids)
     assert _ids(_drain(queue)) == sorted(tasks.task_id(run_id, 0) for run_id in run_ids)
 
 

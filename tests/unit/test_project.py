@@ -121,3 +121,19 @@ def test_a_beat_schedule_without_the_sweep_is_warned(celery_app: Any) -> None:
     celery_app.conf.beat_schedule = {"other": {"task": "proj.other", "schedule": 60.0}}
     [warning] = checks.check_celery()
     assert warning.id == "durable.W004" and "durable.tasks.beat_schedule()" in warning.hint
+
+
+@pytest.mark.parametrize(
+    ("value", "bad"),
+    [(0, False), (0.005, False), (1, False), (-0.001, True), (1.5, True), ("5ms", True), (True, True), (float("nan"), True)],
+)
+def test_the_publish_batch_interval_must_be_seconds_from_0_to_1(value: object, bad: bool) -> None:
+    with override_settings(DURABLE={"PUBLISH_BATCH_INTERVAL": value}):
+        errors = [m for m in checks.check_settings() if m.id == "durable.E005"]
+        used = conf.publish_batch_interval()
+    assert len(errors) == int(bad)
+    if bad:
+        assert "PUBLISH_BATCH_INTERVAL" in errors[0].msg and repr(value) in errors[0].msg
+        assert used == conf.Defaults.PUBLISH_BATCH_INTERVAL  # the publisher goes on with the default
+    else:
+        assert used == value
