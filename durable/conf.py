@@ -137,7 +137,10 @@ def publish_batch_interval() -> float:
     """``PUBLISH_BATCH_INTERVAL`` as the publisher uses it: seconds between 0 and
     ``MAX_PUBLISH_BATCH_INTERVAL``. A misconfigured value (the system check
     durable.E005 reports it) gives the default, never an error in the publisher."""
-    value = settings.PUBLISH_BATCH_INTERVAL
+    try:
+        value = settings.PUBLISH_BATCH_INTERVAL
+    except Exception:  # DURABLE itself is malformed: the thread must go on publishing
+        return _DEFAULTS.PUBLISH_BATCH_INTERVAL
     if not valid_batch_interval(value):
         return _DEFAULTS.PUBLISH_BATCH_INTERVAL
     return float(value)

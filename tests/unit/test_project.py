@@ -137,3 +137,8 @@ def test_the_publish_batch_interval_must_be_seconds_from_0_to_1(value: object, b
         assert used == conf.Defaults.PUBLISH_BATCH_INTERVAL  # the publisher goes on with the default
     else:
         assert used == value
+
+
+def test_the_publisher_reads_the_default_interval_when_durable_settings_are_malformed() -> None:
+    with override_settings(DURABLE=5):  # not a dictionary: reading any setting raises TypeError
+        assert conf.publish_batch_interval() == conf.Defaults.PUBLISH_BATCH_INTERVAL
