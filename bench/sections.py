@@ -162,16 +162,11 @@ def _measure_a(
             value, detail = ratio("dispatch", other, n)
             if value is not None:
                 report.row("a", f"ratio dispatch/{other}, {n} proc", _report.ratio(value), detail.strip(" ()"))
-    for n in opts.procs:
-        value, detail = ratio("dispatch", "dispatch_unbatched", n)
-        if value is not None:
-            label = f"ratio dispatch/option each batch at once, {n} proc"
-            report.row("a", label, _report.ratio(value), detail.strip(" ()"))
-    for n in opts.procs:
-        value, detail = ratio("dispatch", "dispatch_sync", n)
-        if value is not None:
-            label = f"ratio dispatch/option sent on the caller's thread, {n} proc"
-            report.row("a", label, _report.ratio(value), detail.strip(" ()"))
+    for option, named in (("dispatch_unbatched", "each batch at once"), ("dispatch_sync", "sent on the caller's thread")):
+        for n in opts.procs:
+            value, detail = ratio("dispatch", option, n)
+            if value is not None:
+                report.row("a", f"ratio dispatch/option {named}, {n} proc", _report.ratio(value), detail.strip(" ()"))
     for n in opts.procs:
         value, detail = ratio("durable", "raw", n)
         if value is not None:
