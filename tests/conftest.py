@@ -1,12 +1,15 @@
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from asgiref.sync import sync_to_async
 from celery.contrib.testing.worker import start_worker
+from django.db import connections
 
 from testproject.celery import app as celery_app
 from tests import waiting, workflows  # noqa: F401  (registers the test workflows)
@@ -22,6 +25,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "postgres" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup: None) -> Iterator[None]:
+    """pytest-django's test databases, and before they are dropped, the connections of the
+    thread ``sync_to_async`` ran the async tests' database work in (outside ``async_to_sync``
+    it is one thread for the whole session, and nothing else closes its connections; left
+    open, they made dropping the PostgreSQL test database fail)."""
+    yield
+
+    async def close_the_async_threads_connections() -> None:
+        await sync_to_async(connections.close_all)()
+
+    asyncio.run(close_the_async_threads_connections())
 
 
 @pytest.fixture(scope="module")
