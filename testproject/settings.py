@@ -103,7 +103,7 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 
 DURABLE: dict[str, object] = {
     key: float(os.environ[f"DURABLE_{key}"])
-    for key in ("HEARTBEAT_INTERVAL", "STALE_AFTER", "REDISPATCH_AFTER", "SWEEP_INTERVAL")
+    for key in ("HEARTBEAT_INTERVAL", "STALE_AFTER", "REDISPATCH_AFTER", "SWEEP_INTERVAL", "PUBLISH_BATCH_INTERVAL")
     if os.environ.get(f"DURABLE_{key}")
 }
 if os.environ.get("DURABLE_TASK_QUEUE"):

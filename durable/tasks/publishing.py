@@ -85,6 +85,14 @@ class _Flush:
 #: Most messages one batch of the publisher takes from its queue before publishing them.
 PUBLISH_BATCH = 500
 
+#: After ``IDLE_WAITS`` waits for ``PUBLISH_BATCH_INTERVAL`` in a row that each gathered
+#: no other message, this many messages that would wait go at once; the next ones wait
+#: again (and so tell whether messages come faster again). A message after a quiet spell
+#: ends this at once. One wait that gathers nothing is common when messages come a few
+#: milliseconds apart; two in a row are rare, except in a chain.
+IDLE_WAITS = 2
+AT_ONCE_AFTER_IDLE_WAITS = 16
+
 
 class Publisher:
     """Publishes the run messages of this process from a background thread.
@@ -100,6 +108,10 @@ class Publisher:
     that come meanwhile, so a process starting runs fast publishes a few per
     pipeline instead of one (a pipeline and the thread's wake-up cost several
     times what a message adds to it); a message after a quiet spell goes at once.
+    ``IDLE_WAITS`` waits in a row that gathered no other message (a chain of
+    hand-offs in a worker: each message starts the run whose end sends the next one,
+    so waiting only slows the chain down) make the next ``AT_ONCE_AFTER_IDLE_WAITS``
+    messages go at once.
 
     The run row is the outbox: a message that cannot be published (after one
     quick retry, as ``SEND_RETRY_POLICY``) is logged, and the sweeper sends the
@@ -166,17 +178,31 @@ class Publisher:
 
     def _serve(self, queue: _queue_module.SimpleQueue[_Message | _Flush]) -> None:
         last_batch = -math.inf
+        idle_waits = 0  # waits in a row that gathered no other message
+        at_once = 0  # messages that go without waiting, after IDLE_WAITS such waits
         while True:
             items = [queue.get()]
+            waited = False
             if isinstance(items[0], _Message):
                 # Soon after the last batch: wait out PUBLISH_BATCH_INTERVAL and take what came meanwhile.
                 wait = last_batch + conf.publish_batch_interval() - time.monotonic()
-                if wait > 0:
+                if wait <= 0:
+                    idle_waits = at_once = 0  # after a quiet spell, a burst waits again
+                elif at_once:
+                    at_once -= 1
+                else:
                     time.sleep(wait)
+                    waited = True
             with contextlib.suppress(_queue_module.Empty):
                 while len(items) < PUBLISH_BATCH:
                     items.append(queue.get_nowait())
             messages = [item for item in items if isinstance(item, _Message)]
+            if waited:
+                # IDLE_WAITS waits in a row that gathered nothing: likely a chain (each message
+                # starts the run that sends the next), which waiting only slows down.
+                idle_waits = idle_waits + 1 if len(messages) == 1 else 0
+                if idle_waits >= IDLE_WAITS:
+                    idle_waits, at_once = 0, AT_ONCE_AFTER_IDLE_WAITS
             try:
                 for app, group in itertools.groupby(messages, key=lambda m: m.app):
                     _publish(app, list(group))

@@ -235,6 +235,38 @@ def test_messages_soon_after_a_batch_wait_for_the_interval_and_go_out_together(
     assert _ids(_drain(queue)) == sorted(tasks.task_id(run_id, 0) for run_id in [first, *burst])
 
 
+def test_a_chain_of_messages_each_sent_after_the_last_was_published_waits_once_in_a_while(
+    queue: str, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's chain of hand-offs: each message comes only once the one before was published
+    (its run ran and ended), so a wait for the interval gathers nothing and only slows it down."""
+    interval = 1.0
+    settings.DURABLE = {**settings.DURABLE, "PUBLISH_BATCH_INTERVAL": interval}
+    e = _engine()
+    assert tasks.publisher.flush(timeout=10)
+    time.sleep(interval)  # a quiet spell
+    batches = _batches(monkeypatch)
+
+    def start(n: int) -> str:
+        return e.start("test.add", add_input(f"c{n}")).run_id
+
+    def waits() -> None:
+        chain.append(start(len(chain)))
+        assert not tasks.publisher.flush(timeout=interval / 8), f"message {len(chain) - 1} of the chain went at once"
+        assert tasks.publisher.flush(timeout=10)  # nothing came meanwhile
+
+    chain = [start(0)]
+    assert tasks.publisher.flush(timeout=interval / 2)  # after a quiet spell: at once
+    for _ in range(publishing.IDLE_WAITS):  # right after a batch: each waits, and gathers nothing
+        waits()
+    for _ in range(publishing.AT_ONCE_AFTER_IDLE_WAITS):
+        chain.append(start(len(chain)))
+        assert tasks.publisher.flush(timeout=interval / 2), f"message {len(chain) - 1} of the chain waited"
+    waits()  # then they wait again
+    assert [ids for _, ids in batches] == [[run_id] for run_id in chain]
+    assert _ids(_drain(queue)) == sorted(tasks.task_id(run_id, 0) for run_id in chain)
+
+
 def test_with_no_interval_a_message_right_after_a_batch_goes_at_once(
     queue: str, settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
