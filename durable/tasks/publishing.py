@@ -177,39 +177,21 @@ class Publisher:
             self._pid = os.getpid()  # last: a submit that sees it finds the new queue
 
     def _serve(self, queue: _queue_module.SimpleQueue[_Message | _Flush]) -> None:
-        last_batch = -math.inf
-        idle_waits = 0  # waits in a row that gathered no other message
-        at_once = 0  # messages that go without waiting, after IDLE_WAITS such waits
+        pacing = _Pacing()
         while True:
             items = [queue.get()]
-            waited = False
-            if isinstance(items[0], _Message):
-                # Soon after the last batch: wait out PUBLISH_BATCH_INTERVAL and take what came meanwhile.
-                wait = last_batch + conf.publish_batch_interval() - time.monotonic()
-                if wait <= 0:
-                    idle_waits = at_once = 0  # after a quiet spell, a burst waits again
-                elif at_once:
-                    at_once -= 1
-                else:
-                    time.sleep(wait)
-                    waited = True
+            waited = isinstance(items[0], _Message) and pacing.wait()
             with contextlib.suppress(_queue_module.Empty):
                 while len(items) < PUBLISH_BATCH:
                     items.append(queue.get_nowait())
             messages = [item for item in items if isinstance(item, _Message)]
-            if waited:
-                # IDLE_WAITS waits in a row that gathered nothing: likely a chain (each message
-                # starts the run that sends the next), which waiting only slows down.
-                idle_waits = idle_waits + 1 if len(messages) == 1 else 0
-                if idle_waits >= IDLE_WAITS:
-                    idle_waits, at_once = 0, AT_ONCE_AFTER_IDLE_WAITS
             try:
                 for app, group in itertools.groupby(messages, key=lambda m: m.app):
                     _publish(app, list(group))
             except BaseException:  # the thread must live on: the sweeper covers what was lost
                 logger.exception("The durable publisher failed; the sweeper sends the pending runs again.")
             if messages:
-                last_batch = time.monotonic()
+                pacing.sent(len(messages), waited)
             for item in items:
                 if isinstance(item, _Flush):
                     item.done.set()
@@ -221,6 +203,40 @@ class Publisher:
                 "Exiting with run messages not yet published after %ss; the sweeper sends those runs after REDISPATCH_AFTER.",
                 self.exit_timeout,
             )
+
+
+class _Pacing:
+    """When the publisher's thread waits before a batch (see ``Publisher``): batches at least
+    ``PUBLISH_BATCH_INTERVAL`` apart, except after ``IDLE_WAITS`` waits in a row that gathered
+    no other message."""
+
+    def __init__(self) -> None:
+        self.last_batch = -math.inf
+        self.idle_waits = 0  # waits in a row that gathered no other message
+        self.at_once = 0  # messages that go without waiting, after IDLE_WAITS such waits
+
+    def wait(self) -> bool:
+        """Before a batch that starts with a message: wait out the rest of the interval since
+        the last batch, unless it is over or messages go at once; whether it waited."""
+        remaining = self.last_batch + conf.publish_batch_interval() - time.monotonic()
+        if remaining <= 0:
+            self.idle_waits = self.at_once = 0  # after a quiet spell, a burst waits again
+            return False
+        if self.at_once:
+            self.at_once -= 1
+            return False
+        time.sleep(remaining)
+        return True
+
+    def sent(self, messages: int, waited: bool) -> None:
+        """After a batch of ``messages`` (one or more), published after ``wait`` said ``waited``."""
+        self.last_batch = time.monotonic()
+        if waited:
+            # IDLE_WAITS waits in a row that gathered nothing: likely a chain (each message
+            # starts the run that sends the next), which waiting only slows down.
+            self.idle_waits = self.idle_waits + 1 if messages == 1 else 0
+            if self.idle_waits >= IDLE_WAITS:
+                self.idle_waits, self.at_once = 0, AT_ONCE_AFTER_IDLE_WAITS
 
 
 #: This process's publisher (``durable.tasks.publisher.flush(timeout)`` waits for it).
