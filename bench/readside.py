@@ -86,14 +86,14 @@ def section_h(opts: Options, report: Report, scratch: Scratch, progress: Progres
     timings = _measure(small_db, big_db)
     note = "" if big >= 1_000_000 else f"(--quick or --finished-runs: {big:,} runs, not 1,000,000)"
     for label, _url in LISTS:
-        rounds = timings[label]
-        ratio = _report.median([large / small for small, large in rounds])
+        smalls, larges = zip(*timings[label], strict=True)
+        ratio = _report.median([large / small for small, large in timings[label]])
         report.row(
             "h",
             f"{label}, {big:,} runs vs {SMALL_RUNS:,}",
             _report.ratio(ratio),
-            f"median of {len(rounds)} rounds; p50 {_report.median([r[1] for r in rounds]) * 1000:.1f} ms "
-            f"vs {_report.median([r[0] for r in rounds]) * 1000:.1f} ms",
+            f"median of {len(smalls)} rounds; p50 {_report.median(larges) * 1000:.1f} ms "
+            f"vs {_report.median(smalls) * 1000:.1f} ms",
         )
         report.target("h", f"{label}, big/small history", f"<= {TARGET}x", ratio, ratio <= TARGET, _report.ratio(ratio), note)
 
