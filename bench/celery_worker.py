@@ -105,10 +105,12 @@ class CeleryWorker(WorkerProcess):
         concurrency: int = 1,
         include: str = "bench.handoff",
         stop_timeout: float = 20.0,
+        env: dict[str, str] | None = None,
     ) -> None:
         super().__init__(stop_timeout=stop_timeout)
         self.broker, self.database_url, self.queue = broker, database_url, queue
         self.pool, self.concurrency, self.include = pool, concurrency, include
+        self.env = env or {}
 
     @property
     def command(self) -> list[str]:
@@ -141,4 +143,5 @@ class CeleryWorker(WorkerProcess):
             "DURABLE_TASK_QUEUE": self.queue,
             # As in production: DEBUG would also make Django keep every query it sends.
             "DJANGO_DEBUG": "0",
+            **self.env,
         }

@@ -5,7 +5,8 @@ bare Celery task that makes one committed database write, from ``apply_async``
 to its body. Both are sent by benchmark process 0 (its Celery app on the
 ``--broker``, durable's ``TASK_QUEUE`` set to the pool's queue) and run by one
 ``celery -A testproject worker`` consuming that queue, once per pool (threads,
-prefork) and database setting (a connection per task, Django's pool).
+prefork) and database setting (Django's default settings, Django's pool), then
+with threads and ``KEEP_WORKER_CONNECTION`` off, as an extra row without a target.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from bench import report as _report
 from bench.celery_worker import CeleryWorker
 from bench.firststep import CREATE_PROBE_TABLE
 from bench.pool import WorkerError, WorkerPool
-from bench.queueing import WORKER_DATABASES
+from bench.queueing import DJANGO_CONNECTION, WORKER_DATABASES, WORKER_ENV
 from bench.report import Report
 from bench.scratch import Scratch
 from bench.sections import Options, Progress
@@ -46,30 +47,32 @@ def section_f(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
     calls: list[tuple[list[float], list[float]]] = []
     #: Per configuration, how long after the dispatch call returned its message was on the broker.
     hops: list[list[float]] = []
+    configurations = [(pool_kind, name, query) for pool_kind in POOLS for name, query, _ in WORKER_DATABASES]
+    configurations.append((POOLS[0], DJANGO_CONNECTION[0], DJANGO_CONNECTION[1]))
     try:
-        for pool_kind in POOLS:
-            for name, query, _ in WORKER_DATABASES:
-                label = f"{pool_kind}, {name}"
-                broker.purge(app, opts.pool_queue)  # what (a) left, if anything
-                worker = CeleryWorker(
-                    broker=opts.broker,
-                    database_url=scratch.url(scratch.main) + query,
-                    queue=opts.pool_queue,
-                    pool=pool_kind,
-                    concurrency=1,
-                    include="bench.firststep",
-                )
-                progress(f"(f) {label}: {opts.first_steps} dispatches and bare tasks, interleaved ({worker.describe()})")
-                message = {"cmd": "firststep", "samples": opts.first_steps, "warm": WARM, "timeout": TIMEOUT}
-                with worker:
-                    [reply] = pool.call_lenient([0], message, timeout=TIMEOUT * (2 * (opts.first_steps + WARM) + 4))
-                    if "error" in reply:
-                        worker.check()
-                        raise WorkerError(f"(f) {label} failed:\n{reply['error']}\nthe worker's log:\n{worker.log_tail()}")
-                latency = reply["latency_us"]
-                measured.append((label, sorted(latency["dispatch"]), sorted(latency["baseline"])))
-                calls.append((sorted(reply["call_us"]["dispatch"]), sorted(reply["call_us"]["baseline"])))
-                hops.append(sorted(reply["hop_us"]))
+        for pool_kind, name, query in configurations:
+            label = f"{pool_kind}, {name}"
+            broker.purge(app, opts.pool_queue)  # what (a) left, if anything
+            worker = CeleryWorker(
+                broker=opts.broker,
+                database_url=scratch.url(scratch.main) + query,
+                queue=opts.pool_queue,
+                pool=pool_kind,
+                concurrency=1,
+                include="bench.firststep",
+                env=WORKER_ENV.get(name),
+            )
+            progress(f"(f) {label}: {opts.first_steps} dispatches and bare tasks, interleaved ({worker.describe()})")
+            message = {"cmd": "firststep", "samples": opts.first_steps, "warm": WARM, "timeout": TIMEOUT}
+            with worker:
+                [reply] = pool.call_lenient([0], message, timeout=TIMEOUT * (2 * (opts.first_steps + WARM) + 4))
+                if "error" in reply:
+                    worker.check()
+                    raise WorkerError(f"(f) {label} failed:\n{reply['error']}\nthe worker's log:\n{worker.log_tail()}")
+            latency = reply["latency_us"]
+            measured.append((label, sorted(latency["dispatch"]), sorted(latency["baseline"])))
+            calls.append((sorted(reply["call_us"]["dispatch"]), sorted(reply["call_us"]["baseline"])))
+            hops.append(sorted(reply["hop_us"]))
     finally:
         try:
             broker.purge(app, opts.pool_queue)
@@ -105,6 +108,9 @@ def _report_f(
     for label, dispatch, baseline in measured:
         ratio = _report.percentile(dispatch, 50) / _report.percentile(baseline, 50)
         short = "" if len(dispatch) >= 100 else f"(only {len(dispatch)} samples: --quick or --first-steps)"
+        if label.endswith(DJANGO_CONNECTION[0]):  # the extra configuration: a row, no target
+            report.row("f", f"ratio dispatch -> first step / bare task p50, {label}", _report.ratio(ratio), "option")
+            continue
         report.target(
             "f",
             f"dispatch -> first step p50 / bare task p50, {label}",
@@ -114,13 +120,13 @@ def _report_f(
             _report.ratio(ratio),
             short,
         )
-    databases = "; ".join(f"{name}: {what}" for name, _, what in WORKER_DATABASES)
+    databases = "; ".join(f"{name}: {what}" for name, _, what in (*WORKER_DATABASES, DJANGO_CONNECTION))
     report.note(
         f"(f) {opts.first_steps} samples of each kind per configuration after {WARM} discarded, one message at a "
         "time, the two kinds alternating: FirstStep.dispatch (bench/firststep.py: the start transaction, the Celery "
         "message on commit) to the time.time() its first step's body reads in the worker (claim, journal read, then "
-        "the step); the baseline, a bare Celery task that INSERTs one row (one committed write, autocommit: it "
-        "connects first, as durable's claim does) and reads time.time() once that write is committed, from "
+        "the step); the baseline, a bare Celery task that INSERTs one row (one committed write, autocommit: with "
+        "Django's default settings it connects first) and reads time.time() once that write is committed, from "
         "apply_async; a second statement then stores the reading for the benchmark, after the measured interval "
         "(durable's reading is stored by its journal write and finish, after it too). Both are read from the "
         "worker's clock against the sender's time.time() on the same machine. One worker per configuration, "
@@ -133,10 +139,11 @@ def _report_f(
         "(its wake-up, kombu's publish and the Redis pipeline, sharing the GIL with the caller: the hop in the note "
         "of each dispatch row), while the bare task's message left inside its call; in the worker "
         "the claim is one round trip (one committed write, as the baseline's INSERT), and the first step runs "
-        "without another read (the claim proved the lease). prefork with Django's pool is slower for both kinds "
-        "because Celery's Django fix-up (celery.fixups.django, Celery 5.7) closes the connection pool of a prefork "
-        "child before and after every task: each task opens a new pool and new connections (a new PostgreSQL "
-        "backend per task, as with a connection per task, plus the pool's threads); a new backend costs durable's "
-        "claim more than the bare INSERT (it loads the catalog entries of the run, tag and journal tables and "
-        "their indexes, and PL/pgSQL). That is Celery's doing, not durable's."
+        "without another read (the claim proved the lease). Celery's Django fix-up (celery.fixups.django, Celery "
+        "5.7) closes Django's connections before and after every task, and in a prefork child also Django's "
+        "connection pool: the bare task opens a new PostgreSQL backend per task in every configuration but "
+        "threads with the pool. durable's claim, journal write and finish run on the connection the worker "
+        "thread keeps (KEEP_WORKER_CONNECTION); with it off (the option row), a new backend costs durable's claim "
+        "more than the bare INSERT (the catalog entries of the run, tag and journal tables and their indexes, and "
+        "PL/pgSQL)."
     )

@@ -25,9 +25,25 @@ LIMIT = 1
 # -- (d) ------------------------------------------------------------------------
 #: The worker's database connections, measured one after the other: (name, DATABASE_URL query, what it is).
 WORKER_DATABASES = (
-    ("per task", "", "a new connection per task (the test project's settings: Celery closes it around every task)"),
+    (
+        "per task",
+        "",
+        "Django's default settings (no pool, CONN_MAX_AGE 0): Celery closes Django's connection around every task, "
+        "so each task that queries opens a new one; durable's own statements run on the connection each worker "
+        "thread keeps (KEEP_WORKER_CONNECTION, the default)",
+    ),
     ("pooled", "?pool=true", "Django's psycopg connection pool (DATABASE_URL ...?pool=true)"),
 )
+#: An extra configuration of (f) and (g), reported without a target: the default settings with
+#: KEEP_WORKER_CONNECTION off, so durable's statements too open a new connection per task.
+DJANGO_CONNECTION = (
+    "per task, KEEP_WORKER_CONNECTION off",
+    "",
+    "option: Django's default settings with KEEP_WORKER_CONNECTION False: durable's statements run on Django's "
+    "connection, which Celery closes around every task (a new PostgreSQL backend per run)",
+)
+#: The worker's environment of each configuration (the test project's settings read it).
+WORKER_ENV = {DJANGO_CONNECTION[0]: {"DURABLE_KEEP_WORKER_CONNECTION": "0"}}
 TARGET_D = "slot hand-off latency p50 (Celery worker, Redis)"
 
 

@@ -8,8 +8,9 @@ round. Then, one kind at a time, a worker is started on that queue and the
 benchmark waits until every run is completed and stops it:
 
 - durable: ``celery -A testproject worker --pool=threads --concurrency=4``, with
-  the test project's database settings (a connection per task), then with
-  Django's connection pool;
+  Django's default settings (durable's statements on the connections the worker
+  keeps), then with Django's connection pool, then (a row without a target) with
+  the default settings and ``KEEP_WORKER_CONNECTION`` off;
 - procrastinate: ``procrastinate worker --concurrency=4`` (one process).
 
 What is timed is the same for both: from the first completion to the last, read
@@ -32,7 +33,7 @@ from bench import broker
 from bench import report as _report
 from bench.celery_worker import CeleryWorker, WorkerProcess
 from bench.pool import WorkerError
-from bench.queueing import WORKER_DATABASES
+from bench.queueing import DJANGO_CONNECTION, WORKER_DATABASES, WORKER_ENV
 from bench.report import Report
 from bench.scratch import Scratch
 from bench.sections import Options, Progress
@@ -64,7 +65,8 @@ def section_g(opts: Options, report: Report, scratch: Scratch, progress: Progres
         report.row("g", "one-step runs per second", "-", f"not run: {reason}")
         report.target("g", "durable worker / procrastinate worker, runs/s", f">= {TARGET:.2f}x", None, None, "-", reason)
         return
-    kinds = [f"durable, {name}" for name, _, _ in WORKER_DATABASES] + ["procrastinate"]
+    configurations = {f"durable, {name}": (name, query) for name, query, _ in (*WORKER_DATABASES, DJANGO_CONNECTION)}
+    kinds = [*configurations, "procrastinate"]
     rates: dict[str, dict[int, float]] = {kind: {} for kind in kinds}
     conninfo = scratch.conninfo(scratch.main)
     queues: list[str] = []
@@ -77,8 +79,8 @@ def section_g(opts: Options, report: Report, scratch: Scratch, progress: Progres
                 if kind == "procrastinate":
                     rate = _procrastinate(opts, conninfo, queue)
                 else:
-                    query = dict((f"durable, {name}", q) for name, q, _ in WORKER_DATABASES)[kind]
-                    rate = _durable(opts, app, scratch, conninfo, queue, query)
+                    name, query = configurations[kind]
+                    rate = _durable(opts, app, scratch, conninfo, queue, query, WORKER_ENV.get(name))
                 rates[kind][r] = rate
                 progress(f"(g) round {r + 1}/{opts.g_rounds}: {kind}: {rate:,.0f} runs/s")
     finally:
@@ -90,7 +92,9 @@ def section_g(opts: Options, report: Report, scratch: Scratch, progress: Progres
     _report_g(report, opts, rates)
 
 
-def _durable(opts: Options, app: Any, scratch: Scratch, conninfo: str, queue: str, query: str) -> float:
+def _durable(
+    opts: Options, app: Any, scratch: Scratch, conninfo: str, queue: str, query: str, env: dict[str, str] | None
+) -> float:
     from bench import noop
     from bench.queueing import _Send
     from durable import DjangoStore, Engine
@@ -110,6 +114,7 @@ def _durable(opts: Options, app: Any, scratch: Scratch, conninfo: str, queue: st
         pool="threads",
         concurrency=CONCURRENCY,
         include="bench.noop",
+        env=env,
     )
     with worker:
 
@@ -198,11 +203,16 @@ def _report_g(report: Report, opts: Options, rates: dict[str, dict[int, float]])
         detail = ", ".join(f"{v:,.0f}" for v in values)
         note = f"median of {len(values)} rounds ({detail})" if len(values) > 1 else f"{opts.g_runs} runs"
         report.row("g", f"one-step runs/s, {kind}", _report.rate(_report.median(values)), note)
-    for name, _, _ in WORKER_DATABASES:
+    for name, _, _ in (*WORKER_DATABASES, DJANGO_CONNECTION):
         kind = f"durable, {name}"
         pairs = [rates[kind][r] / theirs[r] for r in rates[kind] if theirs.get(r)]
         value = _report.median(pairs) if pairs else None
         short = "" if opts.g_runs >= 1000 else f"(only {opts.g_runs} runs per round: --quick or --g-runs)"
+        rounds = f"rounds: {', '.join(f'{p:.2f}' for p in pairs)} " if len(pairs) > 1 else ""
+        if name == DJANGO_CONNECTION[0]:  # the extra configuration: a row, no target
+            shown = _report.ratio(value) if value is not None else "-"
+            report.row("g", f"ratio durable worker / procrastinate worker, {name}", shown, f"option; {rounds}{short}")
+            continue
         report.target(
             "g",
             f"durable worker / procrastinate worker, runs/s, {name}",
@@ -210,9 +220,9 @@ def _report_g(report: Report, opts: Options, rates: dict[str, dict[int, float]])
             value,
             value is not None and value >= TARGET,
             _report.ratio(value) if value is not None else "-",
-            (f"rounds: {', '.join(f'{p:.2f}' for p in pairs)} " if len(pairs) > 1 else "") + short,
+            rounds + short,
         )
-    databases = "; ".join(f"{name}: {what}" for name, _, what in WORKER_DATABASES)
+    databases = "; ".join(f"{name}: {what}" for name, _, what in (*WORKER_DATABASES, DJANGO_CONNECTION))
     report.note(
         f"(g) {opts.g_runs} runs per kind and round, pre-loaded while no worker runs, then one worker process "
         f"(concurrency {CONCURRENCY}) until all are completed: durable, a one-step workflow (bench/noop.py; "
@@ -223,8 +233,9 @@ def _report_g(report: Report, opts: Options, rates: dict[str, dict[int, float]])
         f"not counted. Ratios are medians of per-round ratios. {databases}."
     )
     report.note(
-        "(g) per task: Celery's Django fix-up closes the worker's database connections before and after every "
-        "task, so with Django's default settings each run opens a new PostgreSQL backend, whose first queries "
-        "load the catalog entries of durable's tables and indexes and compile its PL/pgSQL functions; "
-        "procrastinate's worker keeps its connections open. The pooled row compares like with like."
+        "(g) per task: Celery's Django fix-up closes the worker's Django connections before and after every task; "
+        "durable's statements run on the connections the worker's threads keep (KEEP_WORKER_CONNECTION), as "
+        "procrastinate's worker keeps its own. With it off (the option row) each run opens a new PostgreSQL "
+        "backend, whose first queries load the catalog entries of durable's tables and indexes and compile its "
+        "PL/pgSQL functions."
     )

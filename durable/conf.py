@@ -46,6 +46,12 @@ class Defaults:
     #: one that comes later goes at once. 0: each batch as soon as the thread
     #: gets to it. See ``publish_batch_interval``.
     PUBLISH_BATCH_INTERVAL: float = 0.005
+    #: A Celery worker runs the lifecycle statements of the runs it executes (claim,
+    #: journal writes, finish, hand-off) on a PostgreSQL connection each of its
+    #: threads keeps across tasks, which Celery does not close around every task as
+    #: it closes Django's. False: they use Django's connection, as the workflow's own
+    #: queries do (a new connection per task unless ``CELERY_DB_REUSE_MAX`` is set).
+    KEEP_WORKER_CONNECTION: bool = True
     #: Seconds between two sweeps (used by ``durable.tasks.beat_schedule()``).
     SWEEP_INTERVAL: float = 15.0
     #: How many times a run is started by a worker before it is marked ``dead``.

@@ -110,6 +110,8 @@ if os.environ.get("DURABLE_TASK_QUEUE"):
     DURABLE["TASK_QUEUE"] = os.environ["DURABLE_TASK_QUEUE"]
 if os.environ.get("DURABLE_MAX_ATTEMPTS"):
     DURABLE["MAX_ATTEMPTS"] = int(os.environ["DURABLE_MAX_ATTEMPTS"])
+if os.environ.get("DURABLE_KEEP_WORKER_CONNECTION"):  # "0" for Django's connection (a comparison of the bench)
+    DURABLE["KEEP_WORKER_CONNECTION"] = os.environ["DURABLE_KEEP_WORKER_CONNECTION"] != "0"
 
 if HAS_TASKS:
     # Tasks enqueued with @task(...).enqueue() are durable runs (see the how-to "Django's tasks framework").

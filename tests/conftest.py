@@ -11,6 +11,7 @@ from asgiref.sync import sync_to_async
 from celery.contrib.testing.worker import start_worker
 from django.db import connections
 
+from durable.stores import kept
 from testproject.celery import app as celery_app
 from tests import waiting, workflows  # noqa: F401  (registers the test workflows)
 from tests.processes import WorkerProcesses
@@ -66,6 +67,9 @@ def celery_worker(django_db_setup: None, django_db_blocker) -> Iterator[object]:
                 )
             )
         yield worker
+    # A real worker closes them as it shuts down (worker_shutdown); this in-process one
+    # sends no such signal and leaves its pool's threads alive.
+    kept.close_all()
 
 
 @pytest.fixture

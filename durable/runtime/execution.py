@@ -53,15 +53,10 @@ class Executor:
         and the caller should deliver it again after a delay (else the sweeper
         does). Only the workflow's own exceptions fail a run.
         """
-        lease = uuid.uuid4().hex
-        stale_before = timezone.now() - timedelta(seconds=float(settings.STALE_AFTER))
-        try:
-            claimed = self.store.claim_journal(run_id, lease=lease, worker=_worker_name(), stale_before=stale_before)
-        except Exception as exc:
-            self._recover()
-            logger.warning("Run %s could not be claimed, it is delivered again later: %s", run_id, exc)
-            self._release(run_id, lease)  # in case the claim committed before the error
+        taken = self._claim(run_id)
+        if taken is None:
             return True
+        lease, claimed = taken
         if claimed is None:
             logger.debug("Run %s is not pending (or is owned by a live worker); nothing to do.", run_id)
             return False
@@ -86,6 +81,26 @@ class Executor:
         except Exception as exc:  # durable's own calls here (journal, suspend, finish)
             return self._interrupted(record, lease, exc)
         return False
+
+    def _claim(self, run_id: str) -> tuple[str, tuple[RunRecord, list[StepEntry] | None] | None] | None:
+        """Claim the run under a new lease: (the lease, what ``claim_journal`` answered),
+        or None when an infrastructure error prevented the claim. A claim that lost
+        its connection (a database restart, a connection dropped while it was idle)
+        is tried once more at once, on a new connection."""
+        stale_before = timezone.now() - timedelta(seconds=float(settings.STALE_AFTER))
+        for tries_left in (1, 0):
+            lease = uuid.uuid4().hex
+            try:
+                return lease, self.store.claim_journal(run_id, lease=lease, worker=_worker_name(), stale_before=stale_before)
+            except Exception as exc:
+                self._recover()
+                self._release(run_id, lease)  # in case the claim committed before the error
+                if tries_left and isinstance(exc, (db.OperationalError, db.InterfaceError)):
+                    logger.info("Run %s: its claim lost the database connection, claiming it again: %s", run_id, exc)
+                    continue
+                logger.warning("Run %s could not be claimed, it is delivered again later: %s", run_id, exc)
+                break
+        return None
 
     def _execute(self, record: RunRecord, lease: str, steps: list[StepEntry] | None) -> None:
         """Execute a claimed run; ``steps``: its journal when the claim read it."""
@@ -125,7 +140,7 @@ class Executor:
                     if suspend.parked or self.store.suspend(run_id, lease, waiting_for=suspend.waiting_for, wake_at=wake_at):
                         self._after(record, functools.partial(self._suspended, wake_at=wake_at))
                         return
-                    if lost.is_set() or not self._owns(run_id, lease):
+                    if lost.is_set() or not self.store.holds(run_id, lease):
                         # Cancelled (or taken over) between journaling the wait and parking.
                         logger.info("Run %s stopped before parking: it is no longer this worker's.", run_id)
                         return
@@ -192,10 +207,6 @@ class Executor:
             self.store.recover()
         except Exception:  # closing a dead connection may fail too; the next call reconnects
             logger.debug("Could not close the store's connection", exc_info=True)
-
-    def _owns(self, run_id: str, lease: str) -> bool:
-        record = self.store.get_run(run_id)
-        return record is not None and record.status == RunStatus.RUNNING and record.lease == lease
 
     def finish(self, run: RunRecord, lease: str, status: str, *, output: Any = None, error: Any = None) -> bool:
         """End a run this execution holds (compare-and-set on the lease); False if it no longer does."""
@@ -272,8 +283,7 @@ class Executor:
 
     def ensure_running(self, run_id: str, lease: str) -> None:
         """Raise ``RunCancelled`` when the run no longer belongs to this execution."""
-        record = self.store.get_run(run_id)
-        if record is None or record.status != RunStatus.RUNNING or record.lease != lease:
+        if not self.store.holds(run_id, lease):
             raise exceptions.RunCancelled(run_id)
 
     # -- waking --------------------------------------------------------------------------------

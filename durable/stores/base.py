@@ -12,6 +12,7 @@ a store without ``limit_overrides`` has none, without ``retry_estimate`` estimat
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -20,6 +21,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from durable.concurrency import Quota
+from durable.status import RunStatus
 
 
 @dataclass(frozen=True)
@@ -258,6 +260,12 @@ class BaseStore:
         record = self.claim(run_id, lease=lease, worker=worker, stale_before=stale_before)
         return None if record is None else (record, None)
 
+    def holds(self, run_id: str, lease: str) -> bool:
+        """Whether the run is ``running`` under ``lease`` (an execution's lease check).
+        Default: reads the run (``get_run``)."""
+        record = self.get_run(run_id)
+        return record is not None and record.status == RunStatus.RUNNING and record.lease == lease
+
     def heartbeat(self, run_id: str, lease: str) -> bool:
         raise NotImplementedError
 
@@ -421,6 +429,14 @@ class BaseStore:
 
     def release_thread(self) -> None:
         """A helper thread (a heartbeat) ends: close what it opened. Default: nothing."""
+
+    def keep_connection(self) -> AbstractContextManager[None]:
+        """Around one execution in a worker that closes the project's database
+        connections around every task (Celery's Django fix-up): the store may run
+        the execution's own lifecycle statements on a connection it keeps across
+        executions (``DjangoStore`` on PostgreSQL: ``durable.stores.kept``).
+        Default: nothing changes."""
+        return contextlib.nullcontext()
 
 
 #: The sweeper's re-sends of one run wait ``REDISPATCH_AFTER * 2**n`` after the

@@ -117,7 +117,7 @@ class DjangoStore(admitting.Admission, lifecycle.Lifecycle):
 
         Outside a transaction the call commits asynchronously: a hand-off lost in a
         crash of the database leaves its run queued, for the sweeper to hand on."""
-        connection = self._postgres()
+        connection = self._lifecycle()
         if connection is None:
             return None
         started: list[RunRecord] = []

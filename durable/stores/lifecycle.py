@@ -85,7 +85,7 @@ class Lifecycle(orm.ORMStore):
         Outside a transaction the claim commits asynchronously where losing it in a
         crash of the database cannot change a quota's count (see ``durable_take``):
         the run is then only executed again from its journal."""
-        connection = self._postgres()
+        connection = self._lifecycle()
         if connection is None:
             return super().claim_journal(run_id, lease=lease, worker=worker, stale_before=stale_before)
         with connection.cursor() as cursor:
@@ -106,6 +106,19 @@ class Lifecycle(orm.ORMStore):
         return record, steps
 
     @orm.reconnecting
+    def holds(self, run_id: str, lease: str) -> bool:
+        connection = self._lifecycle()
+        if connection is None:
+            return super().holds(run_id, lease)
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT EXISTS (SELECT 1 FROM {orm.models().WorkflowRun._meta.db_table} "
+                "WHERE run_id = %s AND status = %s AND lease = %s)",
+                [run_id, RunStatus.RUNNING, lease],
+            )
+            return bool(cursor.fetchone()[0])
+
+    @orm.reconnecting
     def heartbeat(self, run_id: str, lease: str) -> bool:
         return bool(self._runs().filter(run_id=run_id, status=RunStatus.RUNNING, lease=lease).update(heartbeat_at=timezone.now()))
 
@@ -116,7 +129,7 @@ class Lifecycle(orm.ORMStore):
         it is queued: then no ``durable_promote`` follows); whether the run has step
         slot rows is read in the same statement."""
         models = orm.models()
-        connection = self._postgres()
+        connection = self._lifecycle()
         if connection is not None:
             slots = models.StepSlot._meta.db_table
             with connection.cursor() as cursor:
@@ -229,7 +242,7 @@ class Lifecycle(orm.ORMStore):
     def record_step(self, run_id: str, lease: str, step: StepEntry) -> bool:
         """On PostgreSQL one call of ``durable_record_step`` (the lease check, the
         journal write, the heartbeat)."""
-        connection = self._postgres()
+        connection = self._lifecycle()
         if connection is not None:
             with connection.cursor() as cursor:
                 cursor.execute(

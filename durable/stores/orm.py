@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from django.db import InterfaceError, OperationalError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from durable.stores import kept
 from durable.stores.base import BaseStore, RunRecord, group_keys
 
 if TYPE_CHECKING:
@@ -90,6 +91,22 @@ class ORMStore(BaseStore):
         connection = connections[self.using]
         return connection if connection.vendor == "postgresql" else None
 
+    def _lifecycle(self) -> BaseDatabaseWrapper | None:
+        """Where durable's statements of a run's lifecycle go on PostgreSQL (its
+        claim, lease check, journal writes, finish, hand-off): inside
+        ``keep_connection`` the thread's kept connection (``durable.stores.kept``),
+        unless Django's connection is in a transaction (the statements then belong
+        to it); else Django's connection. None off PostgreSQL."""
+        connection = self._postgres()
+        if connection is None or connection.in_atomic_block:
+            return connection
+        return kept.connection(self.using) or connection
+
+    def keep_connection(self) -> contextlib.AbstractContextManager[None]:
+        """On PostgreSQL, the lifecycle statements of the executions meanwhile run on a
+        connection this thread keeps across executions (see ``durable.stores.kept``)."""
+        return kept.kept() if self._postgres() is not None else contextlib.nullcontext()
+
     def _runs(self) -> Any:
         return models().WorkflowRun.objects.using(self.using)
 
@@ -114,13 +131,14 @@ class ORMStore(BaseStore):
             connections[self.using].close()
 
     def recover(self) -> bool:
-        """Close this thread's connection if an error left it unusable, so that the
-        next query opens a fresh one. False inside a transaction (its owner must
-        roll back first)."""
+        """Close this thread's connection (and its kept one, ``durable.stores.kept``)
+        if an error left it unusable, so that the next query opens a fresh one.
+        False inside a transaction (its owner must roll back first)."""
         connection = connections[self.using]
         if connection.in_atomic_block:
             return False
         connection.close_if_unusable_or_obsolete()
+        kept.recover(self.using)
         return True
 
 

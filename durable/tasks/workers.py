@@ -8,11 +8,13 @@ duplicate delivery change nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
 from celery import Celery, Task, shared_task
-from celery.signals import worker_ready
+from celery.signals import worker_process_shutdown, worker_ready, worker_shutdown
+from kombu.utils.compat import detect_environment
 
 from durable.conf import settings
 
@@ -36,8 +38,17 @@ def execute_run(self: Task, run_id: str) -> None:
     cannot be sent, the sweeper re-sends the pending run."""
     from durable import engine
 
-    if engine.executor.execute(run_id):
+    with engine.store.keep_connection() if keeps_connection() else contextlib.nullcontext():
+        interrupted = engine.executor.execute(run_id)
+    if interrupted:
         raise self.retry(countdown=redelivery_delay(self.request.retries))
+
+
+def keeps_connection() -> bool:
+    """Whether this worker runs an execution's lifecycle statements on a connection it
+    keeps across tasks (``KEEP_WORKER_CONNECTION``; see ``BaseStore.keep_connection``):
+    not under eventlet or gevent, whose tasks each run in a green thread of their own."""
+    return bool(settings.KEEP_WORKER_CONNECTION) and detect_environment() == "default"
 
 
 def redelivery_delay(retries: int) -> float:
@@ -115,8 +126,11 @@ def connection_advice(pool_cls: Any, app: Celery, alias: str = "default") -> tup
 
 @worker_ready.connect
 def _advise_on_connections(sender: Any = None, **kwargs: Any) -> None:
-    """Say once, as a worker comes up, when every run it executes pays a new connection."""
+    """Say once, as a worker comes up, when every run it executes pays a new connection
+    (not when it keeps its connections for durable's statements: ``keeps_connection``)."""
     try:
+        if keeps_connection():
+            return
         from durable import engine
 
         alias = getattr(engine.store, "using", None)  # a DjangoStore's database
@@ -126,6 +140,15 @@ def _advise_on_connections(sender: Any = None, **kwargs: Any) -> None:
         return
     if advice is not None:
         logger.log(*advice)
+
+
+@worker_shutdown.connect
+@worker_process_shutdown.connect
+def _close_kept_connections(**kwargs: Any) -> None:
+    """The worker (or a prefork child) stops: close the connections its executions kept."""
+    from durable.stores import kept
+
+    kept.close_all()
 
 
 def beat_schedule() -> dict[str, dict[str, Any]]:

@@ -197,7 +197,8 @@ def test_dispatch_to_first_step_section_runs_workers_and_prints_latencies_agains
     lines = bench(scratch, "--only", "f", "--first-steps", "3")
 
     configurations = [f"{pool}, {db}" for pool in ("threads", "prefork") for db in ("per task", "pooled")]
-    for label in configurations:
+    option = "threads, per task, KEEP_WORKER_CONNECTION off"  # an extra configuration, without a target
+    for label in [*configurations, option]:
         found = row(lines, "f", f"dispatch -> first step p50 / p99, {label}", r"[\d.]+ ms / [\d.]+ ms")
         assert found
         # The background publisher's hop, measured for every dispatch sample.
@@ -209,6 +210,7 @@ def test_dispatch_to_first_step_section_runs_workers_and_prints_latencies_agains
     ]
     assert {line.split()[0] for line in lines_f} <= {"PASS", "MISS"}  # measured, whichever way
     assert all("<= 1.20x" in line for line in lines_f)
+    assert row(lines, "f", f"ratio dispatch -> first step / bare task p50, {option}", r"[\d.]+x")
     assert databases_left(scratch) == []
 
 
@@ -220,8 +222,10 @@ def test_throughput_section_runs_both_workers_and_prints_rates_and_ratios() -> N
     scratch = f"durable_bench_g_{os.getpid()}"
     lines = bench(scratch, "--only", "g", "--g-runs", "20")
 
-    for kind in ("durable, per task", "durable, pooled", "procrastinate"):
+    option = "per task, KEEP_WORKER_CONNECTION off"  # an extra configuration, without a target
+    for kind in ("durable, per task", "durable, pooled", f"durable, {option}", "procrastinate"):
         assert row(lines, "g", f"one-step runs/s, {kind}", r"[\d,]+ /s")
+    assert row(lines, "g", f"ratio durable worker / procrastinate worker, {option}", r"[\d.]+x")
     lines_g = [line for line in targets(lines) if "(g)" in line]
     assert [line.split("(g) ")[1].split(" >=")[0] for line in lines_g] == [
         f"durable worker / procrastinate worker, runs/s, {db}" for db in ("per task", "pooled")

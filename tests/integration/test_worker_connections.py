@@ -90,7 +90,10 @@ def test_nothing_is_said_off_postgresql() -> None:
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_a_prefork_worker_with_the_pool_logs_the_warning_and_a_threads_worker_does_not(worker_processes: Any) -> None:
-    info = {"DURABLE_LOG_LEVEL": "INFO"}  # the test project logs durable's warnings only
+    # The test project logs durable's warnings only; the advice is for a worker whose
+    # runs use Django's connection (with KEEP_WORKER_CONNECTION, durable keeps its own:
+    # tests/integration/test_kept_connections.py).
+    info = {"DURABLE_LOG_LEVEL": "INFO", "DURABLE_KEEP_WORKER_CONNECTION": "0"}
     pooled = {**info, "DATABASE_URL": worker_processes.env["DATABASE_URL"] + "?pool=true"}
     worker_processes.start("prefork", pool="prefork", concurrency=1, env=pooled)
     worker_processes.start("threads", pool="threads", concurrency=2, env=pooled)

@@ -91,21 +91,22 @@ def journal_read(store: Any) -> str:
     return "claim_journal" if isinstance(store, DjangoStore) and connection.vendor == "postgresql" else "load_steps"
 
 
-@pytest.mark.parametrize("method", ["journal", "suspend", "finish", "get_run"])
+@pytest.mark.parametrize("method", ["journal", "suspend", "finish", "holds"])
 def test_a_store_error_anywhere_in_an_execution_is_not_a_failure(queued: Engine, store: Any, method: str) -> None:
     if method == "journal":
         method = journal_read(store)
 
     def body(ctx: Any, input: Any) -> Any:
         value = ctx.step("a", lambda: 1)
-        # Not the first step after the claim: it reads the run (get_run) before it runs.
+        # Not the first step after the claim: it checks the lease (holds) before it runs.
         ctx.step("b", lambda: 2)
         ctx.sleep(0 if input.get("woken") else 3600)
         return value
 
     queued.register("w", "1", body)
     handle = queued.start("w", {"woken": method != "suspend"})
-    break_store(store, method, times=1)
+    # A claim that lost its connection is tried again at once: break both tries.
+    break_store(store, method, times=2 if method == "claim_journal" else 1)
     queued.execute(handle.run_id)
     record = handle.refresh().record
     assert record.status == RunStatus.PENDING and record.error is None
@@ -116,14 +117,41 @@ def test_a_store_error_anywhere_in_an_execution_is_not_a_failure(queued: Engine,
         assert handle.result(timeout=1) == 1
 
 
-def test_a_claim_that_fails_leaves_the_run_pending_and_asks_for_redelivery(queued: Engine, store: Any) -> None:
+def test_a_claim_that_fails_twice_leaves_the_run_pending_and_asks_for_redelivery(queued: Engine, store: Any) -> None:
     queued.register("w", "1", lambda ctx, input: 7)
     handle = queued.start("w", {})
-    break_store(store, "claim_journal", times=1)  # what the engine calls to claim
+    failures = break_store(store, "claim_journal", times=2)  # what the engine calls to claim
     assert queued.executor.execute(handle.run_id) is True
+    assert len(failures) == 2  # the claim lost its connection, and again on a new one
     assert handle.refresh().status == RunStatus.PENDING
     assert queued.executor.execute(handle.run_id) is False
     assert handle.result(timeout=1) == 7
+
+
+def test_a_claim_that_lost_its_connection_once_is_claimed_again_at_once(queued: Engine, store: Any) -> None:
+    """A connection that died while it was idle (a database restart) costs no redelivery."""
+    queued.register("w", "1", lambda ctx, input: 7)
+    handle = queued.start("w", {})
+    failures = break_store(store, "claim_journal", times=1)
+    assert queued.executor.execute(handle.run_id) is False
+    assert failures == [1]
+    assert handle.result(timeout=1) == 7
+    assert handle.record.attempt == 1
+
+
+def test_a_claim_that_fails_otherwise_is_not_tried_again_at_once(queued: Engine, store: Any) -> None:
+    queued.register("w", "1", lambda ctx, input: 7)
+    handle = queued.start("w", {})
+    calls: list[int] = []
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        raise RuntimeError("a bug in a custom store")
+
+    store.claim_journal = broken
+    assert queued.executor.execute(handle.run_id) is True
+    assert calls == [1]
+    assert handle.refresh().status == RunStatus.PENDING
 
 
 # -- 3: a cancel between journaling a sleep and parking the run ------------------------------
