@@ -239,7 +239,8 @@ def _report_d(report: Report, results: dict[str, _Chains], n: int, nkeys: int, l
         f"(d) {label}. A hand-off's latency: the body start of a key's next queued run (time.time() in the "
         "worker) minus the finished_at of the run before it (timezone.now() in the worker as it finishes, before "
         "its commit), two readings of one clock. It covers the finishing commit, Promoter.promote on commit, the "
-        "Redis message, the worker picking it up, connecting (per task) and claiming the run."
+        "Redis message, the worker picking it up, connecting (a worker thread's first run only, every run with "
+        "KEEP_WORKER_CONNECTION off) and claiming the run."
     )
     latency, overlaps = measured.get(WORKER_DATABASES[0][0], ([], 0))
     p50, p99 = _report.percentile(latency, 50), _report.percentile(latency, 99)
