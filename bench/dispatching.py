@@ -18,7 +18,7 @@ from bench import report as _report
 from bench.celery_worker import CeleryWorker
 from bench.firststep import CREATE_PROBE_TABLE
 from bench.pool import WorkerError, WorkerPool
-from bench.queueing import DJANGO_CONNECTION, WORKER_DATABASES, WORKER_ENV
+from bench.queueing import DJANGO_CONNECTION, WITH_OPTION, WORKER_DATABASES, WORKER_ENV
 from bench.report import Report
 from bench.scratch import Scratch
 from bench.sections import Options, Progress
@@ -120,7 +120,7 @@ def _report_f(
             _report.ratio(ratio),
             short,
         )
-    databases = "; ".join(f"{name}: {what}" for name, _, what in (*WORKER_DATABASES, DJANGO_CONNECTION))
+    databases = "; ".join(f"{name}: {what}" for name, _, what in WITH_OPTION)
     report.note(
         f"(f) {opts.first_steps} samples of each kind per configuration after {WARM} discarded, one message at a "
         "time, the two kinds alternating: FirstStep.dispatch (bench/firststep.py: the start transaction, the Celery "

@@ -42,6 +42,8 @@ DJANGO_CONNECTION = (
     "option: Django's default settings with KEEP_WORKER_CONNECTION False: durable's statements run on Django's "
     "connection, which Celery closes around every task (a new PostgreSQL backend per run)",
 )
+#: (f) and (g)'s configurations: the measured ones, then the extra one.
+WITH_OPTION = (*WORKER_DATABASES, DJANGO_CONNECTION)
 #: The worker's environment of each configuration (the test project's settings read it).
 WORKER_ENV = {DJANGO_CONNECTION[0]: {"DURABLE_KEEP_WORKER_CONNECTION": "0"}}
 TARGET_D = "slot hand-off latency p50 (Celery worker, Redis)"

@@ -33,7 +33,7 @@ from bench import broker
 from bench import report as _report
 from bench.celery_worker import CeleryWorker, WorkerProcess
 from bench.pool import WorkerError
-from bench.queueing import DJANGO_CONNECTION, WORKER_DATABASES, WORKER_ENV
+from bench.queueing import DJANGO_CONNECTION, WITH_OPTION, WORKER_ENV
 from bench.report import Report
 from bench.scratch import Scratch
 from bench.sections import Options, Progress
@@ -65,7 +65,7 @@ def section_g(opts: Options, report: Report, scratch: Scratch, progress: Progres
         report.row("g", "one-step runs per second", "-", f"not run: {reason}")
         report.target("g", "durable worker / procrastinate worker, runs/s", f">= {TARGET:.2f}x", None, None, "-", reason)
         return
-    configurations = {f"durable, {name}": (name, query) for name, query, _ in (*WORKER_DATABASES, DJANGO_CONNECTION)}
+    configurations = {f"durable, {name}": (name, query) for name, query, _ in WITH_OPTION}
     kinds = [*configurations, "procrastinate"]
     rates: dict[str, dict[int, float]] = {kind: {} for kind in kinds}
     conninfo = scratch.conninfo(scratch.main)
@@ -203,7 +203,7 @@ def _report_g(report: Report, opts: Options, rates: dict[str, dict[int, float]])
         detail = ", ".join(f"{v:,.0f}" for v in values)
         note = f"median of {len(values)} rounds ({detail})" if len(values) > 1 else f"{opts.g_runs} runs"
         report.row("g", f"one-step runs/s, {kind}", _report.rate(_report.median(values)), note)
-    for name, _, _ in (*WORKER_DATABASES, DJANGO_CONNECTION):
+    for name, _, _ in WITH_OPTION:
         kind = f"durable, {name}"
         pairs = [rates[kind][r] / theirs[r] for r in rates[kind] if theirs.get(r)]
         value = _report.median(pairs) if pairs else None
@@ -222,7 +222,7 @@ def _report_g(report: Report, opts: Options, rates: dict[str, dict[int, float]])
             _report.ratio(value) if value is not None else "-",
             rounds + short,
         )
-    databases = "; ".join(f"{name}: {what}" for name, _, what in (*WORKER_DATABASES, DJANGO_CONNECTION))
+    databases = "; ".join(f"{name}: {what}" for name, _, what in WITH_OPTION)
     report.note(
         f"(g) {opts.g_runs} runs per kind and round, pre-loaded while no worker runs, then one worker process "
         f"(concurrency {CONCURRENCY}) until all are completed: durable, a one-step workflow (bench/noop.py; "

@@ -119,7 +119,6 @@ def _after_fork() -> None:
     for thread in list(_threads):
         thread.finalizer.detach()  # the parent's connections: not the child's to close
         _inherited.append(thread)
-    _inherited.append(_local)
     _local, _lock, _threads = threading.local(), threading.Lock(), weakref.WeakSet()
 
 
