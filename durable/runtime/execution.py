@@ -94,8 +94,9 @@ class Executor:
                 return lease, self.store.claim_journal(run_id, lease=lease, worker=_worker_name(), stale_before=stale_before)
             except Exception as exc:
                 self._recover()
-                self._release(run_id, lease)  # in case the claim committed before the error
-                if tries_left and isinstance(exc, (db.OperationalError, db.InterfaceError)):
+                transient = isinstance(exc, (db.OperationalError, db.InterfaceError))
+                self._release(run_id, lease, unclaim=transient)  # in case the claim committed before the error
+                if tries_left and transient:
                     logger.info("Run %s: its claim lost the database connection, claiming it again: %s", run_id, exc)
                     continue
                 logger.warning("Run %s could not be claimed, it is delivered again later: %s", run_id, exc)
@@ -167,8 +168,7 @@ class Executor:
         ends the run ``dead`` after ``MAX_ATTEMPTS`` instead of looping forever."""
         self._recover()
         transient = isinstance(exc, (db.OperationalError, db.InterfaceError))
-        fields = {"attempt": max(0, record.attempt - 1)} if transient else {}
-        released = self._release(record.run_id, lease, **fields)
+        released = self._release(record.run_id, lease, unclaim=transient)
         logger.warning(
             "Run %s was interrupted by an error of durable's own calls%s: %s",
             record.run_id,
@@ -178,18 +178,14 @@ class Executor:
         )
         return released
 
-    def _release(self, run_id: str, lease: str, **fields: Any) -> bool:
-        """Hand a run this execution holds back ``pending`` (compare-and-set on the lease)."""
+    def _release(self, run_id: str, lease: str, *, unclaim: bool) -> bool:
+        """Hand a run this execution holds back ``pending`` (compare-and-set on the lease);
+        with ``unclaim`` (a lost connection ended it), taking back the attempt its claim counted."""
         try:
-            return bool(
-                self.store.transition(
-                    run_id,
-                    from_statuses=[RunStatus.RUNNING],
-                    to=RunStatus.PENDING,
-                    expect={"lease": lease},
-                    lease="",
-                    **fields,
-                )
+            if unclaim:
+                return self.store.unclaim(run_id, lease)
+            return self.store.transition(
+                run_id, from_statuses=[RunStatus.RUNNING], to=RunStatus.PENDING, expect={"lease": lease}, lease=""
             )
         except Exception as exc:
             self._recover()

@@ -260,6 +260,23 @@ class BaseStore:
         record = self.claim(run_id, lease=lease, worker=worker, stale_before=stale_before)
         return None if record is None else (record, None)
 
+    def unclaim(self, run_id: str, lease: str) -> bool:
+        """Hand a run back ``pending`` from the claim made under ``lease`` (a
+        compare-and-set on it), with the attempt that claim counted taken back: for
+        an execution a lost connection ended, perhaps the claim's own (it committed,
+        its answer was lost). False when the run is not ``running`` under ``lease``."""
+        record = self.get_run(run_id)
+        if record is None or record.status != RunStatus.RUNNING or record.lease != lease:
+            return False
+        return self.transition(
+            run_id,
+            from_statuses=[RunStatus.RUNNING],
+            to=RunStatus.PENDING,
+            expect={"lease": lease, "attempt": record.attempt},
+            lease="",
+            attempt=max(0, record.attempt - 1),
+        )
+
     def holds(self, run_id: str, lease: str) -> bool:
         """Whether the run is ``running`` under ``lease`` (an execution's lease check).
         Default: reads the run (``get_run``)."""

@@ -42,6 +42,23 @@ def break_store(store: Any, method: str, *, times: int) -> list[int]:
     return failures
 
 
+def lose_answer(store: Any, method: str, *, times: int) -> list[int]:
+    """Make ``store.<method>`` do its work, then raise a dropped-connection error, the next
+    ``times`` calls: the connection broke after the statement committed, before its answer came."""
+    real: Callable[..., Any] = getattr(store, method)
+    lost: list[int] = []
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        answer = real(*args, **kwargs)
+        if len(lost) < times:
+            lost.append(1)
+            raise OperationalError("server closed the connection unexpectedly")
+        return answer
+
+    setattr(store, method, call)
+    return lost
+
+
 @pytest.fixture
 def queued(store: Any, dispatcher: RecordingDispatcher) -> Engine:
     return Engine(store, dispatch=dispatcher, registry=Registry())
@@ -135,6 +152,35 @@ def test_a_claim_that_lost_its_connection_once_is_claimed_again_at_once(queued: 
     failures = break_store(store, "claim_journal", times=1)
     assert queued.executor.execute(handle.run_id) is False
     assert failures == [1]
+    assert handle.result(timeout=1) == 7
+    assert handle.record.attempt == 1
+
+
+def test_a_claim_whose_answer_was_lost_counts_one_attempt(queued: Engine, store: Any) -> None:
+    """The claim committed, then its connection broke: it is handed back with its attempt
+    taken back and made again, so the run executes once, at attempt 1 (not 2)."""
+    queued.register("w", "1", lambda ctx, input: 7)
+    handle = queued.start("w", {})
+    lost = lose_answer(store, "claim_journal", times=1)
+    assert queued.executor.execute(handle.run_id) is False
+    assert lost == [1]
+    assert handle.result(timeout=1) == 7
+    assert handle.record.attempt == 1
+
+
+def test_claims_whose_answers_were_lost_twice_count_no_attempt(queued: Engine, store: Any, settings: Any) -> None:
+    """Lost connections never bring a run closer to dead: the run is left pending with
+    no attempt counted, even when every claim committed before its connection broke."""
+    settings.DURABLE = {**settings.DURABLE, "MAX_ATTEMPTS": 1}
+    queued.register("w", "1", lambda ctx, input: 7)
+    handle = queued.start("w", {})
+    lose_answer(store, "claim_journal", times=4)
+    assert queued.executor.execute(handle.run_id) is True  # redelivery asked for
+    record = handle.refresh().record
+    assert (record.status, record.attempt, record.lease) == (RunStatus.PENDING, 0, "")
+    assert queued.executor.execute(handle.run_id) is True
+    assert handle.refresh().record.attempt == 0
+    queued.execute(handle.run_id)  # with MAX_ATTEMPTS 1, a counted loss would have made it dead
     assert handle.result(timeout=1) == 7
     assert handle.record.attempt == 1
 
