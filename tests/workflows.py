@@ -144,6 +144,22 @@ class StepSlotWorkflow(DurableWorkflow):
         return {"held": ctx.step("hold", hold, *args, concurrency=quota)}
 
 
+class WaitingWorkflow(DurableWorkflow):
+    """Every kind of statement an execution makes past its claim and journal: a
+    sleep (the run parks, a wake-up task wakes it), a wait for the signal "go" (it
+    parks again, the signal wakes it and is consumed), a step under a step-level
+    quota (its slot is taken and given back)."""
+
+    name = "test.waiting"
+
+    def run(self, ctx: WorkflowContext, input: dict[str, Any]) -> dict[str, Any]:
+        before = ctx.step("before", add, input["a"], 1)
+        ctx.sleep(0.05)
+        go = ctx.wait_for_signal("go")
+        after = ctx.step("after", add, before, go["b"], concurrency=Concurrency(key=input["key"], limit=1))
+        return {"total": after}
+
+
 def gauged(pause: float) -> str:
     """A step body that counts itself in the table ``step_gauge`` while it runs
     (see tests/concurrency/test_step_quota_race.py): each UPDATE commits on its own

@@ -31,6 +31,7 @@ class Admission(orm.ORMStore):
     """``DjangoStore``'s admission of starts."""
 
     @contextmanager
+    @orm.kept_connection
     def admission(self, quotas: Sequence[Quota]) -> Iterator[Sequence[Quota]]:
         try:
             with transaction.atomic(using=self.using):
@@ -70,6 +71,7 @@ class Admission(orm.ORMStore):
                 overrides[quota.key] = row.limit_override
         return [replace(q, limit=overrides[q.key]) if q.key in overrides else q for q in quotas]
 
+    @orm.kept_connection
     def limit_overrides(self, keys: Sequence[str]) -> dict[str, int]:
         rows = orm.models().ConcurrencyLock.objects.using(self.using).filter(key__in=list(keys), limit_override__isnull=False)
         return dict(rows.values_list("key", "limit_override"))
@@ -102,6 +104,7 @@ class Admission(orm.ORMStore):
             change.refresh_from_db(fields=["changed_at"])
         return LimitChangeRecord(**{field.name: getattr(change, field.name) for field in dataclasses.fields(LimitChangeRecord)})
 
+    @orm.kept_connection
     def retry_estimate(self, quota: Quota, *, namespace: str | None = None) -> float | None:
         """The generic path's estimate (PostgreSQL's admission functions make their own):
         the key's ``recent_durations`` and the creation of its oldest tag in flight."""
@@ -156,6 +159,7 @@ class Admission(orm.ORMStore):
             stale = Lock.objects.using(self.using).filter(~Q(limit=quota.limit) | ~Q(count_statuses=statuses))
             stale.filter(key=quota.key).update(limit=quota.limit, count_statuses=statuses)
 
+    @orm.kept_connection
     def admit(
         self, record: RunRecord, quotas: Sequence[Quota], *, count_namespace: str | None, run_id_given: bool = False
     ) -> bool:
@@ -280,6 +284,7 @@ class Admission(orm.ORMStore):
             )
             return tuple(cursor.fetchone())
 
+    @orm.kept_connection
     def admit_queued(
         self,
         record: RunRecord,
@@ -361,6 +366,7 @@ class Admission(orm.ORMStore):
             retry_after=seconds,
         )
 
+    @orm.kept_connection
     def run_exists(self, run_id: str) -> bool:
         """Whether a run has this id, once any start of it not yet committed has ended.
 
@@ -386,6 +392,7 @@ class Admission(orm.ORMStore):
             cursor.execute(f"DELETE FROM {table} WHERE id = %s", [row[0]])
         return False
 
+    @orm.kept_connection
     def create_run(self, record: RunRecord, tags: Sequence[str]) -> None:
         parent_id = None
         if record.parent_run_id:

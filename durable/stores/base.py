@@ -448,9 +448,9 @@ class BaseStore:
         """A helper thread (a heartbeat) ends: close what it opened. Default: nothing."""
 
     def keep_connection(self) -> AbstractContextManager[None]:
-        """Around one execution in a worker that closes the project's database
-        connections around every task (Celery's Django fix-up): the store may run
-        the execution's own lifecycle statements on a connection it keeps across
+        """Around one execution (or wake-up) in a worker that closes the project's
+        database connections around every task (Celery's Django fix-up): the store may
+        run the execution's own statements on a connection it keeps across
         executions (``DjangoStore`` on PostgreSQL: ``durable.stores.kept``).
         Default: nothing changes."""
         return contextlib.nullcontext()

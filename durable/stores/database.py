@@ -27,10 +27,12 @@ class DjangoStore(admitting.Admission, lifecycle.Lifecycle):
 
     # -- reads -------------------------------------------------------------
     @orm.reconnecting
+    @orm.kept_connection
     def get_run(self, run_id: str) -> RunRecord | None:
         row = self._runs().filter(run_id=run_id).select_related("parent").first()
         return None if row is None else orm.to_record(row)
 
+    @orm.kept_connection
     def list_runs(
         self,
         *,
@@ -46,6 +48,7 @@ class DjangoStore(admitting.Admission, lifecycle.Lifecycle):
             qs = qs.with_tag(tag)
         return [orm.to_record(row) for row in qs]
 
+    @orm.kept_connection
     def count_runs(
         self,
         *,
@@ -61,6 +64,7 @@ class DjangoStore(admitting.Admission, lifecycle.Lifecycle):
         return int(qs.count())
 
     # -- waiting runs (the sweeper) -----------------------------------------------
+    @orm.kept_connection
     def active_children(self, run_id: str) -> list[RunRecord]:
         qs = self._runs().active().filter(parent__run_id=run_id).select_related("parent")
         return [orm.to_record(run) for run in qs]
@@ -84,14 +88,17 @@ class DjangoStore(admitting.Admission, lifecycle.Lifecycle):
         return [orm.to_record(run) for run in qs[:1000]]
 
     # -- strategies ------------------------------------------------------------
+    @orm.kept_connection
     def run_keys(self, run_id: str) -> list[str]:
         tags = self._tags().filter(run__run_id=run_id, tag__startswith=TAG_PREFIX).values_list("tag", flat=True)
         return sorted(t[len(TAG_PREFIX) :] for t in tags)
 
+    @orm.kept_connection
     def quota_settings(self, keys: Sequence[str]) -> dict[str, tuple[int | None, tuple[str, ...]]]:
         rows = orm.models().ConcurrencyLock.objects.using(self.using).filter(key__in=list(keys))
         return {row.key: (row.limit, tuple(row.count_statuses)) for row in rows}
 
+    @orm.kept_connection
     def queued_heads(self, tag: str, *, namespace: str | None = None) -> list[tuple[str, str]]:
         queued = self._tags().counting(tag, [RunStatus.QUEUED])
         if namespace is not None:
@@ -101,10 +108,12 @@ class DjangoStore(admitting.Admission, lifecycle.Lifecycle):
         heads = self._tags().filter(id__in=firsts).values_list("group_key", "run__run_id")
         return sorted(heads)
 
+    @orm.kept_connection
     def rr_cursor(self, key: str) -> str:
         Lock = orm.models().ConcurrencyLock
         return Lock.objects.using(self.using).filter(key=key).values_list("rr_cursor", flat=True).first() or ""
 
+    @orm.kept_connection
     def set_rr_cursor(self, key: str, group: str) -> None:
         orm.models().ConcurrencyLock.objects.using(self.using).filter(key=key).update(rr_cursor=group)
 
@@ -150,15 +159,19 @@ class DjangoStore(admitting.Admission, lifecycle.Lifecycle):
         return found
 
     # -- step-level quotas (durable.stores.slots) ----------------------------------
+    @orm.kept_connection
     def acquire_slot(self, run_id: str, lease: str, position: int, *, key: str, limit: int, queue: bool) -> SlotAnswer:
         return slots.acquire(self, run_id, lease, position, key=key, limit=limit, queue=queue)
 
+    @orm.kept_connection
     def release_slot(self, run_id: str, position: int, *, key: str, lease: str) -> list[str]:
         return slots.release(self, run_id, position, key=key, lease=lease)
 
+    @orm.kept_connection
     def release_run_slots(self, run_id: str) -> list[tuple[str, str]]:
         return slots.release_run(self, run_id)
 
+    @orm.kept_connection
     def hand_off_key_slots(self, keys: Sequence[str]) -> list[tuple[str, str]]:
         return slots.hand_off_keys(self, keys)
 

@@ -8,10 +8,13 @@ it executes: the connection, then a new backend's first statements (the catalog
 entries of durable's tables, the planning of its PL/pgSQL functions), about
 12 ms against about 1 ms on a connection already used.
 
-Inside ``kept()`` (``durable.tasks``' ``execute_run`` enters it around an
-execution, see ``BaseStore.keep_connection``), the statements of the run's
-lifecycle (its claim, the lease checks, the journal writes, the finish and the
-hand-off to queued runs) run on a connection of the thread's own instead: opened
+Inside ``kept()`` (``durable.tasks``' ``execute_run`` and ``wake_run`` enter it,
+see ``BaseStore.keep_connection``), durable's statements run on a connection of the
+thread's own instead: the lifecycle's SQL functions (claim, lease checks, journal
+writes, finish, hand-off to queued runs) are sent to it directly
+(``ORMStore._lifecycle``), and the store's ORM calls (suspension, signals, step
+slots, child starts, wake-ups) find it as ``connections[alias]`` for their length
+(``serving``, through ``durable.stores.orm.kept_connection``). It is opened
 on first use with the settings of the store's alias, without ``CONN_MAX_AGE``
 and without a pool, and kept until the worker shuts down (``close_all``).
 Django's connection stays what the workflow's own queries use, and what
@@ -61,6 +64,32 @@ def kept() -> Iterator[None]:
         _local.depth -= 1
 
 
+def active() -> bool:
+    """Whether this thread is inside ``kept()``."""
+    return bool(getattr(_local, "depth", 0))
+
+
+@contextlib.contextmanager
+def serving(alias: str) -> Iterator[None]:
+    """Inside ``kept()``, on PostgreSQL: meanwhile ``connections[alias]`` is, for this
+    thread, its kept connection, so durable's ORM statements run on it (a store's
+    method decorated with ``durable.stores.orm.kept_connection``). Not while Django's
+    connection is in a transaction: the statements then belong to it."""
+    django = connections[alias]
+    if not active() or django.vendor != "postgresql" or django.in_atomic_block:
+        yield
+        return
+    wrapper = connection(alias)
+    if wrapper is None or wrapper is django:
+        yield
+        return
+    connections[alias] = wrapper
+    try:
+        yield
+    finally:
+        connections[alias] = django
+
+
 def connection(alias: str) -> BaseDatabaseWrapper | None:
     """This thread's kept connection to ``alias`` inside ``kept()``; None outside."""
     if not getattr(_local, "depth", 0):
@@ -78,7 +107,8 @@ def connection(alias: str) -> BaseDatabaseWrapper | None:
 
 def _new(alias: str) -> BaseDatabaseWrapper:
     """A Django connection to ``alias``'s database that nothing closes but durable:
-    outside Django's ``connections`` (which Celery closes around every task), kept
+    outside Django's ``connections`` (which Celery closes around every task; ``serving``
+    puts it there only for the length of a store call), kept
     for good (``CONN_MAX_AGE`` None) and without a pool (Celery closes the pool of a
     prefork child around every task)."""
     django = connections[alias]

@@ -39,6 +39,7 @@ class Lifecycle(orm.ORMStore):
             models.RunTag.objects.using(self.using).filter(run_id__in=pks).update(status=status)
         return True
 
+    @orm.kept_connection
     def transition(
         self,
         run_id: str,
@@ -202,6 +203,7 @@ class Lifecycle(orm.ORMStore):
 
     # -- journal -------------------------------------------------------------
     @orm.reconnecting
+    @orm.kept_connection
     def load_steps(self, run_id: str) -> list[StepEntry]:
         rows = (
             orm.models()
@@ -270,6 +272,7 @@ class Lifecycle(orm.ORMStore):
 
     # -- waiting -----------------------------------------------------------------
     @orm.reconnecting
+    @orm.kept_connection
     def suspend(self, run_id: str, lease: str, *, waiting_for: str, wake_at: datetime | None) -> bool:
         models = orm.models()
         with transaction.atomic(using=self.using):
@@ -295,6 +298,7 @@ class Lifecycle(orm.ORMStore):
                 attempt=0,
             )
 
+    @orm.kept_connection
     def add_signal(self, run_id: str, name: str, payload: Any) -> RunRecord | None:
         with transaction.atomic(using=self.using):
             run = self._runs().select_for_update().filter(run_id=run_id).first()
@@ -304,6 +308,7 @@ class Lifecycle(orm.ORMStore):
                 orm.models().Signal.objects.using(self.using).create(run=run, name=name, payload=payload)
             return orm.to_record(run)
 
+    @orm.kept_connection
     def consume_signal(self, run_id: str, lease: str, name: str, step: StepEntry) -> tuple[bool, Any]:
         Signal = orm.models().Signal
         with transaction.atomic(using=self.using):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
@@ -70,6 +71,32 @@ def reconnecting(method: _Method) -> _Method:
     return cast(_Method, call)
 
 
+def kept_connection(method: _Method) -> _Method:
+    """Inside ``BaseStore.keep_connection`` (a worker's execution), the ORM statements of
+    this store call run on the thread's kept connection (``durable.stores.kept.serving``),
+    as the lifecycle statements do (``ORMStore._lifecycle``): a worker then opens no
+    new PostgreSQL backend for a run's suspension, signals, step slots or wake-up,
+    though Celery closes Django's connection around every task. For a method that is
+    a generator (under ``contextlib.contextmanager``), the whole ``with`` block."""
+    if inspect.isgeneratorfunction(method):
+
+        @functools.wraps(method)
+        def block(self: ORMStore, *args: Any, **kwargs: Any) -> Any:
+            with kept.serving(self.using):
+                return (yield from method(self, *args, **kwargs))
+
+        return cast(_Method, block)
+
+    @functools.wraps(method)
+    def call(self: ORMStore, *args: Any, **kwargs: Any) -> Any:
+        if not kept.active():
+            return method(self, *args, **kwargs)
+        with kept.serving(self.using):
+            return method(self, *args, **kwargs)
+
+    return cast(_Method, call)
+
+
 def models() -> Any:
     # Imported lazily: the store is built before the app registry is ready.
     from durable import models
@@ -103,8 +130,9 @@ class ORMStore(BaseStore):
         return kept.connection(self.using) or connection
 
     def keep_connection(self) -> contextlib.AbstractContextManager[None]:
-        """On PostgreSQL, the lifecycle statements of the executions meanwhile run on a
-        connection this thread keeps across executions (see ``durable.stores.kept``)."""
+        """On PostgreSQL, durable's statements of the executions meanwhile (the lifecycle's,
+        and the ORM calls marked ``kept_connection``) run on a connection this thread
+        keeps across executions (see ``durable.stores.kept``)."""
         return kept.kept() if self._postgres() is not None else contextlib.nullcontext()
 
     def _runs(self) -> Any:
@@ -123,6 +151,12 @@ class ORMStore(BaseStore):
         )
 
     def on_commit(self, fn: Callable[[], object]) -> None:
+        if kept.active() and connections[self.using].connection is None:
+            # In an execution whose statements ran on the kept connection, Django's is
+            # not even open, so no transaction of it waits: call now, as Django would
+            # once it had connected to read its autocommit.
+            fn()
+            return
         transaction.on_commit(fn, using=self.using)
 
     def release_thread(self) -> None:

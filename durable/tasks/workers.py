@@ -38,10 +38,16 @@ def execute_run(self: Task, run_id: str) -> None:
     cannot be sent, the sweeper re-sends the pending run."""
     from durable import engine
 
-    with engine.store.keep_connection() if keeps_connection() else contextlib.nullcontext():
+    with kept_connection(engine):
         interrupted = engine.executor.execute(run_id)
     if interrupted:
         raise self.retry(countdown=redelivery_delay(self.request.retries))
+
+
+def kept_connection(engine: Any) -> contextlib.AbstractContextManager[None]:
+    """Where the task's statements of durable's run: the thread's kept connection when
+    ``keeps_connection()``, else Django's."""
+    return engine.store.keep_connection() if keeps_connection() else contextlib.nullcontext()
 
 
 def keeps_connection() -> bool:
@@ -61,7 +67,8 @@ def wake_run(run_id: str) -> None:
     """The timer of a sleep or a signal timeout (a late or repeated one does nothing)."""
     from durable import engine
 
-    engine.executor.wake_due(run_id)
+    with kept_connection(engine):
+        engine.executor.wake_due(run_id)
 
 
 @shared_task(name=SWEEP_TASK, serializer="json", ignore_result=True)

@@ -6,6 +6,7 @@ processes, observed from ``pg_stat_activity``."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import datetime
 from typing import Any
 
@@ -90,6 +91,53 @@ def test_a_kept_connection_that_died_while_idle_costs_no_redelivery(worker_proce
     assert record.attempt == 1 and record.error is None
     [(new_pid, _)] = lifecycle_backends()
     assert new_pid != pid
+
+
+def sessions() -> int:
+    """Sessions ever opened to the test database (each connection is one)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT sessions FROM pg_stat_database WHERE datname = current_database()")
+        return int(cursor.fetchone()[0])
+
+
+def settled_sessions() -> int:
+    """``sessions`` once it stops moving (a backend reports its session when it ends)."""
+    seen = [sessions()]
+    while True:
+        time.sleep(0.6)
+        seen.append(sessions())
+        if seen[-1] == seen[-2]:
+            return seen[-1]
+
+
+def wait_for_signal_wait(handle: Any) -> None:
+    wait_for(lambda: handle.refresh().record.waiting_for == "signal:go", timeout=60, what=f"run {handle.run_id} to wait for go")
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "off"])
+def test_a_run_that_parks_signals_and_takes_step_slots_opens_no_connection(worker_processes: WorkerProcesses, keep: bool) -> None:
+    """Suspending, waking (the sleep's wake-up task too), consuming a signal and taking and
+    giving back a step slot are durable's ORM statements: inside a worker's execution they
+    run on the connection its thread keeps, so a run that does all of them makes the worker
+    open no connection. With the setting off, every task that makes one opens a new backend."""
+    env = {**LOGGED, "DURABLE_KEEP_WORKER_CONNECTION": "1" if keep else "0"}
+    ready(worker_processes, "waiting", env=env)
+    run_some(1, "warm")  # the thread's kept connection is open from here
+    before = settled_sessions()
+
+    handles = [engine.start("test.waiting", {"a": i, "key": "kept-slot"}) for i in range(3)]
+    for i, handle in enumerate(handles):
+        wait_for_signal_wait(handle)
+        handle.signal("go", {"b": 10})
+        assert handle.result(timeout=60) == {"total": i + 1 + 10}
+
+    opened = settled_sessions() - before
+    if keep:
+        assert opened == 0
+    else:
+        # Per run: the park of the sleep, its wake-up, the park of the signal wait, the
+        # execution that consumes the signal and takes the slot.
+        assert opened >= 4 * len(handles)
 
 
 def test_a_worker_shutting_down_closes_the_connections_its_threads_keep() -> None:
