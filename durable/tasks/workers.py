@@ -38,15 +38,15 @@ def execute_run(self: Task, run_id: str) -> None:
     cannot be sent, the sweeper re-sends the pending run."""
     from durable import engine
 
-    with kept_connection(engine):
+    with keeping_connection(engine):
         interrupted = engine.executor.execute(run_id)
     if interrupted:
         raise self.retry(countdown=redelivery_delay(self.request.retries))
 
 
-def kept_connection(engine: Any) -> contextlib.AbstractContextManager[None]:
-    """Where the task's statements of durable's run: the thread's kept connection when
-    ``keeps_connection()``, else Django's."""
+def keeping_connection(engine: Any) -> contextlib.AbstractContextManager[None]:
+    """Around a task of durable's: its statements run on the thread's kept connection
+    when ``keeps_connection()`` (``BaseStore.keep_connection``), else on Django's."""
     return engine.store.keep_connection() if keeps_connection() else contextlib.nullcontext()
 
 
@@ -67,7 +67,7 @@ def wake_run(run_id: str) -> None:
     """The timer of a sleep or a signal timeout (a late or repeated one does nothing)."""
     from durable import engine
 
-    with kept_connection(engine):
+    with keeping_connection(engine):
         engine.executor.wake_due(run_id)
 
 
