@@ -69,17 +69,23 @@ def active() -> bool:
     return bool(getattr(_local, "depth", 0))
 
 
+def chosen(alias: str) -> BaseDatabaseWrapper | None:
+    """The connection durable's statements to ``alias`` take now, when it is the
+    thread's kept one: inside ``kept()``, on PostgreSQL, while ``connections[alias]``
+    is not in a transaction (the statements then belong to it). Else None."""
+    current = connections[alias]
+    if current.vendor != "postgresql" or current.in_atomic_block:
+        return None
+    return connection(alias)
+
+
 @contextlib.contextmanager
 def serving(alias: str) -> Iterator[None]:
-    """Inside ``kept()``, on PostgreSQL: meanwhile ``connections[alias]`` is, for this
-    thread, its kept connection, so durable's ORM statements run on it (a store's
-    method decorated with ``durable.stores.orm.kept_connection``). Not while Django's
-    connection is in a transaction: the statements then belong to it."""
+    """Meanwhile ``connections[alias]`` is, for this thread, the connection ``chosen``
+    gives, so durable's ORM statements run on it (a store's method decorated with
+    ``durable.stores.orm.kept_connection``)."""
     django = connections[alias]
-    if not active() or django.vendor != "postgresql" or django.in_atomic_block:
-        yield
-        return
-    wrapper = connection(alias)
+    wrapper = chosen(alias)
     if wrapper is None or wrapper is django:
         yield
         return
@@ -92,7 +98,7 @@ def serving(alias: str) -> Iterator[None]:
 
 def connection(alias: str) -> BaseDatabaseWrapper | None:
     """This thread's kept connection to ``alias`` inside ``kept()``; None outside."""
-    if not getattr(_local, "depth", 0):
+    if not active():
         return None
     thread = getattr(_local, "thread", None)
     if thread is None:

@@ -125,9 +125,9 @@ class ORMStore(BaseStore):
         unless Django's connection is in a transaction (the statements then belong
         to it); else Django's connection. None off PostgreSQL."""
         connection = self._postgres()
-        if connection is None or connection.in_atomic_block:
-            return connection
-        return kept.connection(self.using) or connection
+        if connection is None:
+            return None
+        return kept.chosen(self.using) or connection
 
     def keep_connection(self) -> contextlib.AbstractContextManager[None]:
         """On PostgreSQL, durable's statements of the executions meanwhile (the lifecycle's,
