@@ -10,6 +10,10 @@ keys are locked one at a time, before any run row, so these never deadlock with
 admission, hand-offs of queued runs, or each other. A run row is locked only by
 ``acquire_slot`` (its own run, to check the lease and park it); waking the runs
 handed a slot happens after commit, in transactions of their own.
+
+On PostgreSQL a release and a hand-off are one round trip each: the functions
+``durable_release_slot`` and ``durable_slot_hand_off`` (``durable/sql/slots.sql``)
+do what ``release`` and ``_hand_off`` do here.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ if TYPE_CHECKING:
 
 #: Journal outcomes that end a step (a ``waiting`` entry is a sleep or a signal wait).
 _ENDED = ("completed", "failed")
+#: What durable's slot functions take after p_now: the statuses of a run whose held
+#: slot counts, and those of a run whose waiting row is dropped.
+_STATUSES = (list(ACTIVE_STATUSES), sorted(TERMINAL_STATUSES))
 
 
 def _models() -> Any:
@@ -97,6 +104,17 @@ def _hand_off(store: DjangoStore, key: str, override: int | None) -> tuple[list[
         woken.append(run_id)
 
 
+def _hand_on(store: DjangoStore, key: str, override: int | None) -> list[str]:
+    """``_hand_off``'s run ids given a slot (the key is locked): on PostgreSQL in one
+    statement, ``durable_slot_hand_off``."""
+    connection = store._postgres()
+    if connection is None:
+        return _hand_off(store, key, override)[0]
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT durable_slot_hand_off(%s, %s, %s, %s, %s)", [key, override, timezone.now(), *_STATUSES])
+        return list(cursor.fetchone()[0])
+
+
 def acquire(store: DjangoStore, run_id: str, lease: str, position: int, *, key: str, limit: int, queue: bool) -> SlotAnswer:
     slots = _slots(store)
     # The slot handed to this step while its run was parked: take it up in one
@@ -144,12 +162,20 @@ def acquire(store: DjangoStore, run_id: str, lease: str, position: int, *, key: 
 
 
 def release(store: DjangoStore, run_id: str, position: int, *, key: str, lease: str) -> list[str]:
+    connection = store._postgres()
+    if connection is not None:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT durable_release_slot(%s, %s, %s, %s, %s, %s, %s)",
+                [run_id, position, key, lease, timezone.now(), *_STATUSES],
+            )
+            return list(cursor.fetchone()[0])
     mine = _slots(store).filter(run__run_id=run_id, position=position, key=key, lease=lease, status="held")
     with transaction.atomic(using=store.using):
         override = _lock(store, key)
         if not mine.delete()[0]:
             return []  # a takeover freed it already
-        return _hand_off(store, key, override)[0]
+        return _hand_on(store, key, override)
 
 
 def release_run(store: DjangoStore, run_id: str) -> list[tuple[str, str]]:
@@ -162,7 +188,7 @@ def release_run(store: DjangoStore, run_id: str) -> list[tuple[str, str]]:
         with transaction.atomic(using=store.using):
             override = _lock(store, key)
             ended.filter(key=key).delete()
-            woken += [(key, r) for r in _hand_off(store, key, override)[0]]
+            woken += [(key, r) for r in _hand_on(store, key, override)]
     return woken
 
 
@@ -173,7 +199,7 @@ def hand_off_keys(store: DjangoStore, keys: Sequence[str]) -> list[tuple[str, st
     for key in sorted(waited):  # one key at a time, as admission locks them
         with transaction.atomic(using=store.using):
             override = _lock(store, key)
-            woken += [(key, r) for r in _hand_off(store, key, override)[0]]
+            woken += [(key, r) for r in _hand_on(store, key, override)]
     return woken
 
 
@@ -192,7 +218,7 @@ def hand_off_all(store: DjangoStore) -> list[tuple[str, str]]:
     for key in sorted(set(slots.filter(status="waiting").values_list("key", flat=True))):
         with transaction.atomic(using=store.using):
             override = _lock(store, key)
-            woken += [(key, r) for r in _hand_off(store, key, override)[0]]
+            woken += [(key, r) for r in _hand_on(store, key, override)]
     # Runs handed a slot whose wake-up was lost (a crash right after the hand-off committed).
     parked = (
         slots.filter(status="held", run__status=RunStatus.SUSPENDED)

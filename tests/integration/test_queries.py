@@ -12,7 +12,7 @@ from django.test import TestCase
 from django.utils import timezone
 
 from durable import Concurrency, Engine, RunStatus, Strategy
-from durable.models import RunTag
+from durable.models import RunTag, StepSlot
 from durable.runtime import Registry
 from durable.stores import RunRecord, StepEntry
 from tests.queries import one_step_run_statements, one_step_workflow, statements
@@ -240,3 +240,28 @@ def test_a_hand_off_inside_a_callers_transaction_leaves_its_commit_synchronous(g
     with connection.cursor() as cursor:
         cursor.execute("SHOW synchronous_commit")
         assert cursor.fetchone()[0] == "on"
+
+
+@pytest.mark.postgres
+def test_a_step_slots_release_with_its_hand_off_is_one_call(engine: Engine, django_assert_num_queries) -> None:
+    """A step of a step-level quota ended: giving its slot back and handing it to the
+    oldest waiting step is one call of durable_release_slot (the lock, the delete, the
+    waiters, the count and the grant inside it)."""
+    engine.register("plain", "1", lambda ctx, input: None)
+    store = engine.store
+    runs = [engine.start("plain", {}).run_id for _ in range(3)]
+    lease = {run_id: f"lease-{n}" for n, run_id in enumerate(runs)}
+    for run_id in runs:
+        assert store.claim(run_id, lease=lease[run_id], worker="w", stale_before=timezone.now()) is not None
+    outcomes = [store.acquire_slot(run_id, lease[run_id], 0, key="slots:k", limit=1, queue=True).outcome for run_id in runs]
+    assert outcomes == ["held", "waiting", "waiting"]
+    with django_assert_num_queries(1) as captured:
+        woken = store.release_slot(runs[0], 0, key="slots:k", lease=lease[runs[0]])
+    assert captured.captured_queries[0]["sql"].startswith("SELECT durable_release_slot(")
+    assert woken == [runs[1]]  # the oldest waiter, and only one: the limit is 1
+    slots = StepSlot.objects.order_by("id").values_list("run__run_id", "status", "lease")
+    assert list(slots) == [(runs[1], "held", ""), (runs[2], "waiting", "")]
+    # A release by a lease that no longer holds the slot changes nothing and hands nothing on.
+    with django_assert_num_queries(1):
+        assert store.release_slot(runs[0], 0, key="slots:k", lease=lease[runs[0]]) == []
+    assert list(slots.all()) == [(runs[1], "held", ""), (runs[2], "waiting", "")]
