@@ -1,6 +1,8 @@
-"""A step-level quota's release and hand-off in one round trip on PostgreSQL:
-``durable_release_slot`` and ``durable_slot_hand_off``, which ``DjangoStore`` calls
-instead of its ORM sequence (lock, delete, read the waiters, count, grant, commit).
+"""A step-level quota's release, hand-off and the wake-up of the run handed the
+slot in one round trip on PostgreSQL: ``durable_release_slot`` and
+``durable_slot_hand_off``, which ``DjangoStore`` calls instead of its ORM sequence
+(lock, delete, read the waiters, count, grant, commit; then the wake-up's own
+transaction).
 
 Runs ``sql/migrations/0023_slots.sql``; reversing drops the two functions (the
 ORM path of the release before them needs none).
@@ -21,7 +23,7 @@ def create(apps, schema_editor):
 def drop(apps, schema_editor):
     if schema_editor.connection.vendor == "postgresql":
         schema_editor.execute(
-            "DROP FUNCTION IF EXISTS durable_release_slot(text, integer, text, text, timestamp with time zone, text[], text[]);"
+            "DROP FUNCTION IF EXISTS durable_release_slot(text, integer, text, text, timestamp with time zone, text[], text[], boolean);"
             "DROP FUNCTION IF EXISTS durable_slot_hand_off(text, integer, timestamp with time zone, text[], text[]);"
         )
 

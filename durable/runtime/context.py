@@ -213,14 +213,14 @@ class WorkflowContext:
         and the sweeper hands it on."""
         store = self.engine.store
         try:
-            woken = store.release_slot(self.run_id, position, key=key, lease=self._lease)
+            started, woken = store.release_slot_waking(self.run_id, position, key=key, lease=self._lease)
         except Exception:
             logger.warning("Run %s could not hand on its slot of %s; the sweeper does.", self.run_id, key, exc_info=True)
             with contextlib.suppress(Exception):  # drop a connection the error left unusable
                 store.recover()
             return
-        if woken:
-            self.engine.executor.slots_handed([(key, run_id) for run_id in woken])
+        if started or woken:
+            self.engine.executor.slots_handed([(key, run_id) for run_id in woken], started=started)
 
     def _step_finished(self, entry: StepEntry) -> None:
         """Send ``step_finished`` for the step just journaled, on commit."""

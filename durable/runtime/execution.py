@@ -259,9 +259,12 @@ class Executor:
         run_id = run.run_id
         self.store.on_commit(lambda: promoter.promote(run_id=run_id))
 
-    def slots_handed(self, woken: Sequence[tuple[str, str]]) -> None:
+    def slots_handed(self, woken: Sequence[tuple[str, str]], *, started: Sequence[RunRecord] = ()) -> None:
         """Wake the runs parked for a step slot that was just handed to them
-        (``(key, run id)``); a fast path, the sweeper wakes them too."""
+        (``(key, run id)``), and send those the store woke already (``started``,
+        made pending with the hand-off); a fast path, the sweeper wakes them too."""
+        for pending in started:
+            self.engine.dispatch.send(self.engine, pending)
         for key, run_id in woken:
             try:
                 run = self.store.get_run(run_id)

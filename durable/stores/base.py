@@ -394,6 +394,13 @@ class BaseStore:
         the key's lock; the runs handed a slot, to wake (``SLOT_WAIT_PREFIX`` + key)."""
         raise NotImplementedError(f"{type(self).__name__} has no step-level quotas.")
 
+    def release_slot_waking(self, run_id: str, position: int, *, key: str, lease: str) -> tuple[list[RunRecord], list[str]]:
+        """``release_slot``, moving the runs handed a slot back to ``pending`` in the
+        same call where the store can: the runs made pending (for the caller to send),
+        and the run ids still to wake. Default: ``release_slot``, none made pending
+        (``DjangoStore`` wakes them inside ``durable_release_slot`` on PostgreSQL)."""
+        return [], self.release_slot(run_id, position, key=key, lease=lease)
+
     def release_run_slots(self, run_id: str) -> list[tuple[str, str]]:
         """A run ended (finished with step slot rows, or cancelled): delete its slot
         rows and hand their keys' free slots on; ``(key, run id)`` of the runs

@@ -168,6 +168,10 @@ class DjangoStore(admitting.Admission, lifecycle.Lifecycle):
         return slots.release(self, run_id, position, key=key, lease=lease)
 
     @orm.kept_connection
+    def release_slot_waking(self, run_id: str, position: int, *, key: str, lease: str) -> tuple[list[RunRecord], list[str]]:
+        return slots.release_waking(self, run_id, position, key=key, lease=lease)
+
+    @orm.kept_connection
     def release_run_slots(self, run_id: str) -> list[tuple[str, str]]:
         return slots.release_run(self, run_id)
 

@@ -27,7 +27,8 @@ from django.db.models.functions import Concat, Greatest
 from django.utils import timezone
 
 from durable.status import ACTIVE_STATUSES, TERMINAL_STATUSES, RunStatus
-from durable.stores.base import SLOT_WAIT_PREFIX, SlotAnswer
+from durable.stores import orm
+from durable.stores.base import SLOT_WAIT_PREFIX, RunRecord, SlotAnswer
 
 if TYPE_CHECKING:
     from durable.stores.database import DjangoStore
@@ -161,15 +162,30 @@ def acquire(store: DjangoStore, run_id: str, lease: str, position: int, *, key: 
         return SlotAnswer("waiting", active, in_effect, tuple(woken))
 
 
+def release_waking(store: DjangoStore, run_id: str, position: int, *, key: str, lease: str) -> tuple[list[RunRecord], list[str]]:
+    connection = store._postgres()
+    if connection is None:
+        return [], release(store, run_id, position, key=key, lease=lease)
+    return _release_call(connection, run_id, position, key, lease, wake=True)
+
+
+def _release_call(
+    connection: Any, run_id: str, position: int, key: str, lease: str, *, wake: bool
+) -> tuple[list[RunRecord], list[str]]:
+    """One call of ``durable_release_slot``: the runs it made pending (``wake``), the run ids to wake."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT durable_release_slot(%s, %s, %s, %s, %s, %s, %s, %s)",
+            [run_id, position, key, lease, timezone.now(), *_STATUSES, wake],
+        )
+        answer = orm.decoded(cursor.fetchone()[0])
+    return [orm.run_record(row) for row in answer["started"]], list(answer["wake"])
+
+
 def release(store: DjangoStore, run_id: str, position: int, *, key: str, lease: str) -> list[str]:
     connection = store._postgres()
     if connection is not None:
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT durable_release_slot(%s, %s, %s, %s, %s, %s, %s)",
-                [run_id, position, key, lease, timezone.now(), *_STATUSES],
-            )
-            return list(cursor.fetchone()[0])
+        return _release_call(connection, run_id, position, key, lease, wake=False)[1]
     mine = _slots(store).filter(run__run_id=run_id, position=position, key=key, lease=lease, status="held")
     with transaction.atomic(using=store.using):
         override = _lock(store, key)

@@ -265,3 +265,34 @@ def test_a_step_slots_release_with_its_hand_off_is_one_call(engine: Engine, djan
     with django_assert_num_queries(1):
         assert store.release_slot(runs[0], 0, key="slots:k", lease=lease[runs[0]]) == []
     assert list(slots.all()) == [(runs[1], "held", ""), (runs[2], "waiting", "")]
+
+
+@pytest.mark.postgres
+def test_a_step_slots_release_wakes_the_run_handed_the_slot_in_the_same_call(engine: Engine, django_assert_num_queries) -> None:
+    """In an execution the release also moves the run handed the slot back to pending
+    (the caller sends it), unless one of its run-level keys does not count a parked
+    run: coming back must count that key again under its lock, so it is only named."""
+    engine.register("plain", "1", lambda ctx, input: None)
+    engine.register("keyed", "1", lambda ctx, input: None, Concurrency(key="tenant", limit=5, count_statuses=["running"]))
+    store = engine.store
+    runs = [engine.start("plain", {}).run_id, engine.start("plain", {}).run_id, engine.start("keyed", {}).run_id]
+    lease = {run_id: f"lease-{n}" for n, run_id in enumerate(runs)}
+    for run_id in runs:
+        assert store.claim(run_id, lease=lease[run_id], worker="w", stale_before=timezone.now()) is not None
+    for run_id in runs:
+        store.acquire_slot(run_id, lease[run_id], 0, key="slots:k", limit=1, queue=True)
+    with django_assert_num_queries(1) as captured:
+        started, wake = store.release_slot_waking(runs[0], 0, key="slots:k", lease=lease[runs[0]])
+    assert captured.captured_queries[0]["sql"].startswith("SELECT durable_release_slot(")
+    assert [(run.run_id, run.status, run.waiting_for, run.workflow) for run in started] == [(runs[1], "pending", "", "plain")]
+    assert wake == []
+    assert engine.get_run(runs[1]).status == RunStatus.PENDING
+    assert set(RunTag.objects.filter(run__run_id=runs[1]).values_list("status", flat=True)) <= {"pending"}
+    # The keyed run counts only running runs on its key: it is named, and stays parked for the caller.
+    claimed = store.claim(runs[1], lease="lease-x", worker="w", stale_before=timezone.now())
+    assert claimed is not None
+    assert store.acquire_slot(runs[1], "lease-x", 0, key="slots:k", limit=1, queue=True).outcome == "held"
+    started, wake = store.release_slot_waking(runs[1], 0, key="slots:k", lease="lease-x")
+    assert (started, wake) == ([], [runs[2]])
+    run = engine.get_run(runs[2])
+    assert (run.status, run.record.waiting_for) == (RunStatus.SUSPENDED, "slot:slots:k")

@@ -634,7 +634,13 @@ def test_the_sweeper_wakes_a_run_whose_wake_up_was_lost(
     engine.start("w", {}, run_id="a")
     engine.start("w", {}, run_id="b")
     dispatcher.sent.remove("b")
-    monkeypatch.setattr(engine.executor, "slots_handed", lambda woken: None)  # lost after the hand-off committed
+    # The wake-up is lost after the hand-off committed: the store's own (DjangoStore's in
+    # durable_release_slot on PostgreSQL) is left out, and the executor's never comes.
+    store = engine.store
+    monkeypatch.setattr(
+        store, "release_slot_waking", lambda *args, **kwargs: BaseStore.release_slot_waking(store, *args, **kwargs)
+    )
+    monkeypatch.setattr(engine.executor, "slots_handed", lambda woken, started=(): None)
     run_pending(engine, dispatcher)
     assert engine.get_run("b").status == RunStatus.SUSPENDED and held(engine.store) == [("b", 0, "held")]
     monkeypatch.undo()

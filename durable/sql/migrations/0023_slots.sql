@@ -1,15 +1,18 @@
--- durable_release_slot, durable_slot_hand_off: a step-level quota's release and
--- hand-off in one round trip (PostgreSQL). Installed by migration 0023; a change
--- here needs a new file in durable/sql/migrations/ and a migration that runs it.
--- Each does what durable/stores/slots.py does through the ORM on other
--- databases (release, _hand_off); p_now comes from the caller, as the ORM path
--- takes it from the application's clock, and the statuses from durable.status
+-- durable_release_slot, durable_slot_hand_off: a step-level quota's release, its
+-- hand-off and the wake-up of the runs handed a slot, in one round trip
+-- (PostgreSQL). Installed by migration 0023; a change here needs a new file in
+-- durable/sql/migrations/ and a migration that runs it. They do what
+-- durable/stores/slots.py (release, _hand_off) and Executor.resume do through
+-- the ORM on other databases; p_now comes from the caller, as the ORM path takes
+-- it from the application's clock, and the statuses from durable.status
 -- (p_active: the statuses of a run whose held slot counts; p_terminal: those of
 -- a run whose waiting row is dropped).
 --
 -- Every write that can change a key's count of slots happens under the lock of
--- the key's durable_concurrencylock row, the row run admission locks; one key
--- is locked per call, so these never deadlock with admission or each other.
+-- the key's durable_concurrencylock row, the row run admission locks. One key is
+-- locked per call, and only then the rows of the runs woken (a key's row before
+-- a run's, as every locker of durable takes them), so these never deadlock with
+-- admission, hand-offs or each other.
 
 -- durable_slot_hand_off: give the free slots of p_key to its waiting steps, oldest
 -- first; the caller holds the key's row lock (p_override: its limit_override).
@@ -63,9 +66,18 @@ $$;
 
 -- durable_release_slot: the step at p_position of run p_run_id ended (journaled, or
 -- stopped): lock p_key's row, delete the step's held row of lease p_lease, and
--- hand the key's free slots on (durable_slot_hand_off). Returns the run ids given
--- a slot; none when the row is gone already (a takeover freed it). A key without
--- a row (never created) is not locked, as on the ORM path.
+-- hand the key's free slots on (durable_slot_hand_off). With p_wake, the runs
+-- given a slot are woken too, still under the key's lock: each one parked for it
+-- (suspended, waiting for 'slot:' || p_key) moves back to 'pending' with its
+-- tags, as Executor.resume does on the ORM path after the commit; one woken or
+-- cancelled meanwhile is left alone. A run holding a run-level key that does not
+-- count 'suspended' (the key's row has a limit and count_statuses without it) is
+-- only named: coming back must count that key again under its lock, which the
+-- caller's resume does. A key without a row (never created) is not locked, as on
+-- the ORM path. Returns {"started": [the runs made pending, each a row of
+-- durable_workflowrun with "parent_run_id", for the caller to send], "wake":
+-- [run ids given a slot, for the caller to wake]}; both empty when the step's
+-- row is gone already (a takeover freed it).
 CREATE OR REPLACE FUNCTION durable_release_slot(
     p_run_id text,
     p_position integer,
@@ -73,19 +85,44 @@ CREATE OR REPLACE FUNCTION durable_release_slot(
     p_lease text,
     p_now timestamp with time zone,
     p_active text[],
-    p_terminal text[]
-) RETURNS text[]
+    p_terminal text[],
+    p_wake boolean
+) RETURNS jsonb
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_override integer;
+    v_woken text;
+    v_run durable_workflowrun;
+    v_started jsonb := '[]'::jsonb;
+    v_wake text[] := '{}';
 BEGIN
     SELECT l.limit_override INTO v_override FROM durable_concurrencylock l WHERE l.key = p_key FOR UPDATE;
     DELETE FROM durable_stepslot s USING durable_workflowrun r
      WHERE r.id = s.run_id AND r.run_id = p_run_id AND s.position = p_position
        AND s.key = p_key AND s.lease = p_lease AND s.status = 'held';
     IF NOT FOUND THEN
-        RETURN '{}';
+        RETURN jsonb_build_object('started', v_started, 'wake', to_jsonb(v_wake));
     END IF;
-    RETURN durable_slot_hand_off(p_key, v_override, p_now, p_active, p_terminal);
+    FOREACH v_woken IN ARRAY durable_slot_hand_off(p_key, v_override, p_now, p_active, p_terminal) LOOP
+        IF NOT p_wake OR EXISTS (
+            SELECT 1 FROM durable_runtag t JOIN durable_workflowrun r ON r.id = t.run_id
+             WHERE r.run_id = v_woken AND starts_with(t.tag, 'concurrency:')
+               AND (SELECT l."limit" IS NOT NULL AND jsonb_array_length(l.count_statuses) > 0
+                           AND NOT l.count_statuses ? 'suspended'
+                      FROM durable_concurrencylock l WHERE l.key = substr(t.tag, length('concurrency:') + 1))) THEN
+            v_wake := v_wake || v_woken;
+            CONTINUE;
+        END IF;
+        UPDATE durable_workflowrun r
+           SET status = 'pending', updated_at = p_now, dispatched_at = p_now, redispatches = 0,
+               waiting_for = '', wake_at = NULL
+         WHERE r.run_id = v_woken AND r.status = 'suspended' AND r.waiting_for = 'slot:' || p_key
+        RETURNING r.* INTO v_run;
+        CONTINUE WHEN NOT FOUND;  -- woken or cancelled meanwhile: nothing to do, as on the ORM path
+        UPDATE durable_runtag t SET status = 'pending' WHERE t.run_id = v_run.id;
+        v_started := v_started || jsonb_build_array(to_jsonb(v_run) || jsonb_build_object(
+            'parent_run_id', (SELECT p.run_id FROM durable_workflowrun p WHERE p.id = v_run.parent_id)));
+    END LOOP;
+    RETURN jsonb_build_object('started', v_started, 'wake', to_jsonb(v_wake));
 END;
 $$;
