@@ -66,7 +66,7 @@ DESCRIPTION = (
     "completed per second by one Celery worker process against procrastinate's worker; (h) the API's and "
     "the admin's lists with a big history against a small one; (i) step-level quota hand-off latency (a "
     "limited step ends -> the next waiting step's body starts) with a real Celery worker, against (d)'s run "
-    "hand-off in the same worker."
+    "hand-off in the same worker, and a step's cost with a step quota against without."
 )
 
 

@@ -11,6 +11,9 @@ next step's body start (both ``time.time()`` in the worker).
 
 Run chain, for comparison: ``handoffs`` runs of section (d)'s ``GROUP_ROUND_ROBIN``
 workflow on one key, in the same worker, timed as (d) times them.
+
+Then, in this process, what a step-level quota adds to a step whose key has room:
+one-step runs executed with and without one, interleaved (``_step_cost``).
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ def section_i(opts: Options, report: Report, scratch: Scratch, progress: Progres
     runs = _run_latencies(conninfo)
     steps, overlaps = _step_latencies(conninfo)
     _report_i(report, runs, steps, overlaps, n, f"{name}; {worker.describe()}")
+    progress("(i) a step with and without a step quota, executed in this process")
+    _step_cost(report)
 
 
 def _park_steps(app: Any, queue: str, n: int, key: str, release: threading.Event) -> threading.Thread:
@@ -144,6 +149,51 @@ def _step_latencies(conninfo: str) -> tuple[list[float], int]:
         bodies = sorted(conn.execute(_STEPS, (step_handoff.WORKFLOW,)).fetchall())
     gaps = [(started - ended) * 1e6 for (_, ended), (started, _) in zip(bodies, bodies[1:], strict=False)]
     return sorted(gaps), sum(1 for gap in gaps if gap < 0)
+
+
+#: Runs of each kind executed by ``_step_cost`` (after 20 of each to warm up).
+STEP_COST_RUNS = 300
+#: The step-level quota of ``_step_cost``: a limit no run reaches (the key always has room).
+STEP_COST_LIMIT = 1_000_000
+
+
+def _step_cost(report: Report) -> None:
+    """What a step-level quota adds to a step when its key has room: one-step runs
+    executed in this process (``Engine.execute``, Django's connection), with the
+    step under a quota and without, interleaved; p50 and SQL statements of each."""
+    import time
+
+    from django.db import connection, reset_queries
+    from django.test.utils import CaptureQueriesContext
+
+    from durable import Concurrency, DjangoStore, Engine
+    from durable.runtime.registry import Registry
+
+    reset_queries()
+    engine = Engine(store=DjangoStore(), dispatch=lambda engine, run: None, registry=Registry())
+    limit = Concurrency(key="i-cost", limit=STEP_COST_LIMIT)
+    engine.register("bench.step_plain", "1", lambda ctx, input: ctx.step("s", int))
+    engine.register("bench.step_limited", "1", lambda ctx, input: ctx.step("s", int, concurrency=limit))
+    kinds = ("bench.step_plain", "bench.step_limited")
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    counted: dict[str, int] = {}
+    for i in range(20 + STEP_COST_RUNS):
+        for kind in kinds if i % 2 == 0 else reversed(kinds):
+            run_id = engine.start(kind, {}).run_id
+            t0 = time.perf_counter()
+            with CaptureQueriesContext(connection) as executed:
+                engine.execute(run_id)
+            if i >= 20:
+                times[kind].append((time.perf_counter() - t0) * 1e6)
+            counted[kind] = len(executed)
+    plain, limited = (_report.percentile(sorted(times[kind]), 50) for kind in kinds)
+    report.row(
+        "i",
+        "one-step run executed, p50: plain / step under a quota with room",
+        f"{_report.ms(plain)} / {_report.ms(limited)}",
+        f"{counted[kinds[0]]} / {counted[kinds[1]]} SQL statements; {STEP_COST_RUNS} runs each, interleaved, "
+        "Engine.execute in the benchmark process; the quota takes the slot and gives it back",
+    )
 
 
 def _report_i(report: Report, runs: list[float], steps: list[float], overlaps: int, n: int, label: str) -> None:

@@ -11,9 +11,10 @@ admission, hand-offs of queued runs, or each other. A run row is locked only by
 ``acquire_slot`` (its own run, to check the lease and park it); waking the runs
 handed a slot happens after commit, in transactions of their own.
 
-On PostgreSQL a release and a hand-off are one round trip each: the functions
-``durable_release_slot`` and ``durable_slot_hand_off`` (``durable/sql/slots.sql``)
-do what ``release`` and ``_hand_off`` do here.
+On PostgreSQL taking a slot, a release (with the wake-up of the runs handed a
+slot, ``release_waking``) and a hand-off are one round trip each: the functions
+``durable_acquire_slot``, ``durable_release_slot`` and ``durable_slot_hand_off``
+(``durable/sql/slots.sql``) do what ``acquire``, ``release`` and ``_hand_off`` do here.
 """
 
 from __future__ import annotations
@@ -112,11 +113,20 @@ def _hand_on(store: DjangoStore, key: str, override: int | None) -> list[str]:
     if connection is None:
         return _hand_off(store, key, override)[0]
     with connection.cursor() as cursor:
-        cursor.execute("SELECT durable_slot_hand_off(%s, %s, %s, %s, %s)", [key, override, timezone.now(), *_STATUSES])
+        cursor.execute("SELECT woken FROM durable_slot_hand_off(%s, %s, %s, %s, %s)", [key, override, timezone.now(), *_STATUSES])
         return list(cursor.fetchone()[0])
 
 
 def acquire(store: DjangoStore, run_id: str, lease: str, position: int, *, key: str, limit: int, queue: bool) -> SlotAnswer:
+    connection = store._postgres()
+    if connection is not None:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT durable_acquire_slot(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+                [run_id, lease, position, key, limit, queue, timezone.now(), *_STATUSES],
+            )
+            answer = orm.decoded(cursor.fetchone()[0])
+        return SlotAnswer(answer["outcome"], answer["active"], answer["limit"], tuple(answer["woken"]))
     slots = _slots(store)
     # The slot handed to this step while its run was parked: take it up in one
     # statement, without the key's lock (the key's count does not change).

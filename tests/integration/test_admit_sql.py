@@ -24,7 +24,7 @@ FUNCTIONS = {
     "admit": ["durable_admit", "durable_burst_refusal", "durable_lock_pool"],
     "lifecycle": ["durable_take", "durable_claim", "durable_record_step", "durable_finish", "durable_end"],
     "queue": ["durable_admit_queued", "durable_promote"],
-    "slots": ["durable_release_slot", "durable_slot_hand_off"],
+    "slots": ["durable_acquire_slot", "durable_release_slot", "durable_slot_hand_off", "durable_slots_held"],
 }
 
 

@@ -253,8 +253,19 @@ def test_a_step_slots_release_with_its_hand_off_is_one_call(engine: Engine, djan
     lease = {run_id: f"lease-{n}" for n, run_id in enumerate(runs)}
     for run_id in runs:
         assert store.claim(run_id, lease=lease[run_id], worker="w", stale_before=timezone.now()) is not None
-    outcomes = [store.acquire_slot(run_id, lease[run_id], 0, key="slots:k", limit=1, queue=True).outcome for run_id in runs]
-    assert outcomes == ["held", "waiting", "waiting"]
+    answers = []
+    for run_id in runs:  # taking a slot, and parking for one, is one call each: durable_acquire_slot
+        with django_assert_num_queries(1) as captured:
+            answers.append(store.acquire_slot(run_id, lease[run_id], 0, key="slots:k", limit=1, queue=True))
+        assert captured.captured_queries[0]["sql"].startswith("SELECT durable_acquire_slot(")
+    assert [(a.outcome, a.active, a.limit) for a in answers] == [("held", 1, 1), ("waiting", 1, 1), ("waiting", 1, 1)]
+    parked = engine.get_run(runs[1])
+    assert (parked.status, parked.record.waiting_for, parked.record.lease, parked.record.attempt) == (
+        RunStatus.SUSPENDED,
+        "slot:slots:k",
+        "",
+        0,  # its claim's attempt taken back
+    )
     with django_assert_num_queries(1) as captured:
         woken = store.release_slot(runs[0], 0, key="slots:k", lease=lease[runs[0]])
     assert captured.captured_queries[0]["sql"].startswith("SELECT durable_release_slot(")
@@ -265,6 +276,12 @@ def test_a_step_slots_release_with_its_hand_off_is_one_call(engine: Engine, djan
     with django_assert_num_queries(1):
         assert store.release_slot(runs[0], 0, key="slots:k", lease=lease[runs[0]]) == []
     assert list(slots.all()) == [(runs[1], "held", ""), (runs[2], "waiting", "")]
+    # The woken run's next execution takes up the slot handed to it: one call, no count.
+    assert store.transition(runs[1], from_statuses=[RunStatus.SUSPENDED], to=RunStatus.PENDING)  # its wake-up
+    assert store.claim(runs[1], lease="lease-9", worker="w", stale_before=timezone.now()) is not None
+    with django_assert_num_queries(1):
+        assert store.acquire_slot(runs[1], "lease-9", 0, key="slots:k", limit=1, queue=True).outcome == "held"
+    assert list(slots.all()) == [(runs[1], "held", "lease-9"), (runs[2], "waiting", "")]
 
 
 @pytest.mark.postgres

@@ -1,8 +1,9 @@
--- durable_release_slot, durable_slot_hand_off: a step-level quota's release, its
--- hand-off and the wake-up of the runs handed a slot, in one round trip
+-- durable_acquire_slot, durable_release_slot, durable_slot_hand_off,
+-- durable_slots_held: a step-level quota's slot taken, or its release, its
+-- hand-off and the wake-up of the runs handed a slot, in one round trip each
 -- (PostgreSQL). Installed by migration 0023; a change here needs a new file in
 -- durable/sql/migrations/ and a migration that runs it. They do what
--- durable/stores/slots.py (release, _hand_off) and Executor.resume do through
+-- durable/stores/slots.py (acquire, release, _hand_off, _held) and Executor.resume do through
 -- the ORM on other databases; p_now comes from the caller, as the ORM path takes
 -- it from the application's clock, and the statuses from durable.status
 -- (p_active: the statuses of a run whose held slot counts; p_terminal: those of
@@ -10,13 +11,14 @@
 --
 -- Every write that can change a key's count of slots happens under the lock of
 -- the key's durable_concurrencylock row, the row run admission locks. One key is
--- locked per call, and only then the rows of the runs woken (a key's row before
--- a run's, as every locker of durable takes them), so these never deadlock with
--- admission, hand-offs or each other.
+-- locked per call, and only then run rows (the step's own run, the runs woken):
+-- a key's row before a run's, as every locker of durable takes them, so these
+-- never deadlock with admission, hand-offs or each other.
 
 -- durable_slot_hand_off: give the free slots of p_key to its waiting steps, oldest
 -- first; the caller holds the key's row lock (p_override: its limit_override).
--- Returns the run ids given a slot, in that order. A waiting row whose run ended
+-- Returns woken, the run ids given a slot in that order; held, the key's slots in
+-- use after that; waiting, whether steps still wait. A waiting row whose run ended
 -- is deleted. The count of held slots is made once: under the key's lock nothing
 -- else takes a slot, and a slot freed meanwhile (a journal write, a cancel) is
 -- handed on by the release that follows it. A held row counts while its run is
@@ -26,17 +28,20 @@ CREATE OR REPLACE FUNCTION durable_slot_hand_off(
     p_override integer,
     p_now timestamp with time zone,
     p_active text[],
-    p_terminal text[]
-) RETURNS text[]
+    p_terminal text[],
+    OUT woken text[],
+    OUT held bigint,
+    OUT waiting boolean
+)
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
-    v_woken text[] := '{}';
-    v_held bigint;
     v_id bigint;
     v_limit integer;
     v_status text;
     v_run_id text;
 BEGIN
+    woken := '{}';
+    waiting := false;
     LOOP
         SELECT s.id, s."limit", r.status, r.run_id INTO v_id, v_limit, v_status, v_run_id
           FROM durable_stepslot s JOIN durable_workflowrun r ON r.id = s.run_id
@@ -47,20 +52,124 @@ BEGIN
             DELETE FROM durable_stepslot s WHERE s.id = v_id;
             CONTINUE;
         END IF;
-        IF v_held IS NULL THEN
-            SELECT count(*) INTO v_held
-              FROM durable_stepslot s JOIN durable_workflowrun r ON r.id = s.run_id
-             WHERE s.key = p_key AND s.status = 'held' AND r.status = ANY (p_active)
-               AND NOT EXISTS (
-                   SELECT 1 FROM durable_steprecord j
-                    WHERE j.run_id = s.run_id AND j.position = s.position AND j.outcome IN ('completed', 'failed'));
+        IF held IS NULL THEN
+            held := durable_slots_held(p_key, p_active);
         END IF;
-        EXIT WHEN v_held >= COALESCE(p_override, v_limit);
+        IF held >= COALESCE(p_override, v_limit) THEN
+            waiting := true;
+            EXIT;
+        END IF;
         UPDATE durable_stepslot s SET status = 'held', lease = '', granted_at = p_now WHERE s.id = v_id;
-        v_held := v_held + 1;
-        v_woken := v_woken || v_run_id;
+        held := held + 1;
+        woken := woken || v_run_id;
     END LOOP;
-    RETURN v_woken;
+    IF held IS NULL THEN
+        held := durable_slots_held(p_key, p_active);
+    END IF;
+END;
+$$;
+
+-- durable_slots_held: the slots of p_key in use: held rows whose run is active
+-- (p_active) and whose step is not journaled.
+CREATE OR REPLACE FUNCTION durable_slots_held(p_key text, p_active text[]) RETURNS bigint
+LANGUAGE sql STABLE AS $$
+    SELECT count(*)
+      FROM durable_stepslot s JOIN durable_workflowrun r ON r.id = s.run_id
+     WHERE s.key = p_key AND s.status = 'held' AND r.status = ANY (p_active)
+       AND NOT EXISTS (
+           SELECT 1 FROM durable_steprecord j
+            WHERE j.run_id = s.run_id AND j.position = s.position AND j.outcome IN ('completed', 'failed'));
+$$;
+
+-- durable_acquire_slot: the step at p_position of run p_run_id, running under
+-- p_lease, asks for a slot of p_key (p_limit: the step's limit; an operator's
+-- override on the key's row replaces it). First, without the key's lock, the slot
+-- handed to the step while its run was parked is taken up (its lease set: the
+-- key's count does not change). Else, under the key's row lock (the row created
+-- first, with p_limit and no count_statuses, when missing) and the run's: the
+-- step's own row found again is its slot when held with no lease or this one;
+-- any other (a dead execution's slot, a waiting row of a run woken otherwise) is
+-- deleted and the step asks again behind the waiters. The key's free slots go to
+-- its waiters first (durable_slot_hand_off); the step gets one only when none
+-- waits. Else it is refused (not p_queue, or a limit of 0 or less) or parks: a
+-- waiting row, and the run 'suspended' (waiting for 'slot:' || p_key, no lease)
+-- with its tags, its attempt taken back (this claim's, not an earlier death's).
+-- Returns {"outcome": "held" | "waiting" | "full" | "lost" (the run is no longer
+-- the lease's), "active" (the key's held slots counted, 0 when the step's own slot
+-- was found again), "limit" (in effect), "woken" (run ids handed a slot, to wake)}.
+CREATE OR REPLACE FUNCTION durable_acquire_slot(
+    p_run_id text,
+    p_lease text,
+    p_position integer,
+    p_key text,
+    p_limit integer,
+    p_queue boolean,
+    p_now timestamp with time zone,
+    p_active text[],
+    p_terminal text[]
+) RETURNS jsonb
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_override integer;
+    v_in_effect integer;
+    v_pk bigint;
+    v_id bigint;
+    v_row_key text;
+    v_row_status text;
+    v_row_lease text;
+    v_hand record;
+BEGIN
+    UPDATE durable_stepslot s SET lease = p_lease FROM durable_workflowrun r
+     WHERE r.id = s.run_id AND r.run_id = p_run_id AND r.status = 'running' AND r.lease = p_lease
+       AND s.position = p_position AND s.key = p_key AND s.status = 'held' AND s.lease IN ('', p_lease);
+    IF FOUND THEN
+        RETURN jsonb_build_object('outcome', 'held', 'active', 0, 'limit', p_limit, 'woken', '[]'::jsonb);
+    END IF;
+    SELECT l.limit_override INTO v_override FROM durable_concurrencylock l WHERE l.key = p_key FOR UPDATE;
+    IF NOT FOUND THEN
+        -- No count_statuses: no run is counted under this key unless a start says so.
+        -- ON CONFLICT DO NOTHING waits for a concurrent insert of the key.
+        INSERT INTO durable_concurrencylock (key, "limit", count_statuses, rr_cursor)
+        VALUES (p_key, p_limit, '[]'::jsonb, '') ON CONFLICT (key) DO NOTHING;
+        SELECT l.limit_override INTO v_override FROM durable_concurrencylock l WHERE l.key = p_key FOR UPDATE;
+    END IF;
+    v_in_effect := COALESCE(v_override, p_limit);
+    SELECT r.id INTO v_pk FROM durable_workflowrun r
+     WHERE r.run_id = p_run_id AND r.status = 'running' AND r.lease = p_lease FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN jsonb_build_object('outcome', 'lost', 'active', 0, 'limit', 0, 'woken', '[]'::jsonb);
+    END IF;
+    SELECT s.id, s.key, s.status, s.lease INTO v_id, v_row_key, v_row_status, v_row_lease
+      FROM durable_stepslot s WHERE s.run_id = v_pk AND s.position = p_position;
+    IF FOUND THEN
+        IF v_row_key = p_key AND v_row_status = 'held' AND v_row_lease IN ('', p_lease) THEN
+            IF v_row_lease <> p_lease THEN
+                UPDATE durable_stepslot s SET lease = p_lease WHERE s.id = v_id;
+            END IF;
+            RETURN jsonb_build_object('outcome', 'held', 'active', 0, 'limit', v_in_effect, 'woken', '[]'::jsonb);
+        END IF;
+        DELETE FROM durable_stepslot s WHERE s.id = v_id;
+    END IF;
+    SELECT * INTO v_hand FROM durable_slot_hand_off(p_key, v_override, p_now, p_active, p_terminal);
+    IF v_in_effect > 0 AND v_hand.held < v_in_effect AND NOT v_hand.waiting THEN
+        INSERT INTO durable_stepslot (key, run_id, position, status, "limit", lease, granted_at)
+        VALUES (p_key, v_pk, p_position, 'held', p_limit, p_lease, p_now);
+        RETURN jsonb_build_object('outcome', 'held', 'active', v_hand.held + 1, 'limit', v_in_effect,
+                                  'woken', to_jsonb(v_hand.woken));
+    END IF;
+    IF NOT p_queue OR v_in_effect <= 0 THEN
+        RETURN jsonb_build_object('outcome', 'full', 'active', v_hand.held, 'limit', v_in_effect,
+                                  'woken', to_jsonb(v_hand.woken));
+    END IF;
+    INSERT INTO durable_stepslot (key, run_id, position, status, "limit", lease)
+    VALUES (p_key, v_pk, p_position, 'waiting', p_limit, '');
+    UPDATE durable_workflowrun r
+       SET status = 'suspended', updated_at = p_now, waiting_for = 'slot:' || p_key, wake_at = NULL, lease = '',
+           attempt = GREATEST(r.attempt - 1, 0)
+     WHERE r.id = v_pk;
+    UPDATE durable_runtag t SET status = 'suspended' WHERE t.run_id = v_pk;
+    RETURN jsonb_build_object('outcome', 'waiting', 'active', v_hand.held, 'limit', v_in_effect,
+                              'woken', to_jsonb(v_hand.woken));
 END;
 $$;
 
@@ -103,7 +212,7 @@ BEGIN
     IF NOT FOUND THEN
         RETURN jsonb_build_object('started', v_started, 'wake', to_jsonb(v_wake));
     END IF;
-    FOREACH v_woken IN ARRAY durable_slot_hand_off(p_key, v_override, p_now, p_active, p_terminal) LOOP
+    FOREACH v_woken IN ARRAY (durable_slot_hand_off(p_key, v_override, p_now, p_active, p_terminal)).woken LOOP
         IF NOT p_wake OR EXISTS (
             SELECT 1 FROM durable_runtag t JOIN durable_workflowrun r ON r.id = t.run_id
              WHERE r.run_id = v_woken AND starts_with(t.tag, 'concurrency:')
