@@ -18,8 +18,9 @@
 -- durable_slot_hand_off: give the free slots of p_key to its waiting steps, oldest
 -- first; the caller holds the key's row lock (p_override: its limit_override).
 -- Returns woken, the run ids given a slot in that order; held, the key's slots in
--- use after that; waiting, whether steps still wait. A waiting row whose run ended
--- is deleted. The count of held slots is made once: under the key's lock nothing
+-- use after that (NULL when no waiting step needed the count: the caller counts
+-- if it must, durable_slots_held); waiting, whether steps still wait. A waiting
+-- row whose run ended is deleted. The count of held slots is made once: under the key's lock nothing
 -- else takes a slot, and a slot freed meanwhile (a journal write, a cancel) is
 -- handed on by the release that follows it. A held row counts while its run is
 -- active and its step is not journaled ('completed' or 'failed').
@@ -63,9 +64,6 @@ BEGIN
         held := held + 1;
         woken := woken || v_run_id;
     END LOOP;
-    IF held IS NULL THEN
-        held := durable_slots_held(p_key, p_active);
-    END IF;
 END;
 $$;
 
@@ -118,6 +116,7 @@ DECLARE
     v_row_status text;
     v_row_lease text;
     v_hand record;
+    v_held bigint;
 BEGIN
     UPDATE durable_stepslot s SET lease = p_lease FROM durable_workflowrun r
      WHERE r.id = s.run_id AND r.run_id = p_run_id AND r.status = 'running' AND r.lease = p_lease
@@ -151,14 +150,15 @@ BEGIN
         DELETE FROM durable_stepslot s WHERE s.id = v_id;
     END IF;
     SELECT * INTO v_hand FROM durable_slot_hand_off(p_key, v_override, p_now, p_active, p_terminal);
-    IF v_in_effect > 0 AND v_hand.held < v_in_effect AND NOT v_hand.waiting THEN
+    v_held := COALESCE(v_hand.held, durable_slots_held(p_key, p_active));
+    IF v_in_effect > 0 AND v_held < v_in_effect AND NOT v_hand.waiting THEN
         INSERT INTO durable_stepslot (key, run_id, position, status, "limit", lease, granted_at)
         VALUES (p_key, v_pk, p_position, 'held', p_limit, p_lease, p_now);
-        RETURN jsonb_build_object('outcome', 'held', 'active', v_hand.held + 1, 'limit', v_in_effect,
+        RETURN jsonb_build_object('outcome', 'held', 'active', v_held + 1, 'limit', v_in_effect,
                                   'woken', to_jsonb(v_hand.woken));
     END IF;
     IF NOT p_queue OR v_in_effect <= 0 THEN
-        RETURN jsonb_build_object('outcome', 'full', 'active', v_hand.held, 'limit', v_in_effect,
+        RETURN jsonb_build_object('outcome', 'full', 'active', v_held, 'limit', v_in_effect,
                                   'woken', to_jsonb(v_hand.woken));
     END IF;
     INSERT INTO durable_stepslot (key, run_id, position, status, "limit", lease)
@@ -168,7 +168,7 @@ BEGIN
            attempt = GREATEST(r.attempt - 1, 0)
      WHERE r.id = v_pk;
     UPDATE durable_runtag t SET status = 'suspended' WHERE t.run_id = v_pk;
-    RETURN jsonb_build_object('outcome', 'waiting', 'active', v_hand.held, 'limit', v_in_effect,
+    RETURN jsonb_build_object('outcome', 'waiting', 'active', v_held, 'limit', v_in_effect,
                               'woken', to_jsonb(v_hand.woken));
 END;
 $$;

@@ -8,8 +8,9 @@ admission locks (taking up a slot handed to a step only sets its lease, and
 deleting rows that no longer count changes no count):
 keys are locked one at a time, before any run row, so these never deadlock with
 admission, hand-offs of queued runs, or each other. A run row is locked only by
-``acquire_slot`` (its own run, to check the lease and park it); waking the runs
-handed a slot happens after commit, in transactions of their own.
+``acquire_slot`` (its own run, to check the lease and park it) and, on PostgreSQL,
+by a release waking the runs it handed a slot to, after the key's row; elsewhere
+waking them happens after commit, in transactions of their own.
 
 On PostgreSQL taking a slot, a release (with the wake-up of the runs handed a
 slot, ``release_waking``) and a hand-off are one round trip each: the functions
@@ -201,7 +202,7 @@ def release(store: DjangoStore, run_id: str, position: int, *, key: str, lease: 
         override = _lock(store, key)
         if not mine.delete()[0]:
             return []  # a takeover freed it already
-        return _hand_on(store, key, override)
+        return _hand_off(store, key, override)[0]
 
 
 def release_run(store: DjangoStore, run_id: str) -> list[tuple[str, str]]:
