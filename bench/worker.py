@@ -32,7 +32,8 @@ Commands (``cmd``):
   a ``probe_write.apply_async`` (in alternating order), each waited for until its
   body has run in the Celery worker of (f); reply, per kind, the microseconds from
   the call to the body's start (``time.time()`` in both processes), and from the
-  call to its return.
+  call to its return; with ``busy``, the process computes that many seconds after
+  each call (as a view renders its response) before it waits for the body.
 - ``drain``: finish the runs in flight on ``keys`` one by one (each claimed first,
   untimed), each finish handing its freed slot to the next queued run
   (``Executor.released``'s promote) until none is left; reply the hand-offs made,
@@ -131,7 +132,9 @@ class _Worker:
         if cmd == "drain":
             return self.drain(self._own(message))
         if cmd == "firststep":
-            return self.first_step(int(message["samples"]), int(message["warm"]), float(message["timeout"]))
+            return self.first_step(
+                int(message["samples"]), int(message["warm"]), float(message["timeout"]), float(message.get("busy", 0.0))
+            )
         raise ValueError(f"unknown command {cmd!r}")
 
     def prepare(self, message: dict[str, Any]) -> Reply:
@@ -282,9 +285,10 @@ class _Worker:
         left = runs.filter(status=RunStatus.QUEUED).count()
         return {"handoffs": handoffs, "completed": completed, "elapsed": elapsed, "promote_us": promote_us, "queued_left": left}
 
-    def first_step(self, samples: int, warm: int, timeout: float) -> Reply:
+    def first_step(self, samples: int, warm: int, timeout: float, busy: float = 0.0) -> Reply:
         """Dispatch to first step vs apply_async to a bare task's body, interleaved, one at a time;
-        also how long after each dispatch returned its message was on the broker."""
+        also how long after each dispatch returned its message was on the broker. ``busy``: seconds
+        this thread computes (holding the GIL) right after each call, before it waits for the body."""
         from bench.firststep import PROBE_TABLE
         from durable.conf import settings as durable_settings
 
@@ -299,7 +303,7 @@ class _Worker:
         out: dict[str, list[int]] = {"dispatch": [], "baseline": []}
         calls: dict[str, list[int]] = {"dispatch": [], "baseline": []}
         with _published_at() as published:
-            hops = self._first_steps(samples, warm, timeout, body_of, out, calls, published)
+            hops = self._first_steps(samples, warm, timeout, body_of, out, calls, published, busy)
         return {"latency_us": out, "call_us": calls, "hop_us": hops}
 
     def _first_steps(
@@ -311,6 +315,7 @@ class _Worker:
         out: dict[str, list[int]],
         calls: dict[str, list[int]],
         published: dict[str, float],
+        busy: float,
     ) -> list[int]:
         import uuid
 
@@ -330,6 +335,8 @@ class _Worker:
                     # To the queue durable sends runs to (the worker of (f) consumes it).
                     probe_write.apply_async(args=(token,), queue=durable_settings.TASK_QUEUE)
                 returned = time.time()
+                while time.time() - returned < busy:
+                    pass  # as a view rendering its response: Python code, holding the GIL
                 # The first sample also waits for the worker to come up.
                 deadline = time.monotonic() + (timeout * 4 if i == 0 else timeout)
                 while True:
