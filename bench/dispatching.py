@@ -35,7 +35,7 @@ TARGET = 1.2
 #: The extra configuration whose sender computes (pure Python, holding the GIL) for this
 #: many seconds after each call, the dispatch's and the bare task's alike.
 BUSY_SECONDS = 0.002
-BUSY_LABEL = f"pooled, the sender computing {BUSY_SECONDS * 1e3:g} ms after each call"
+BUSY_SUFFIX = f", the sender computing {BUSY_SECONDS * 1e3:g} ms after each call"
 
 
 def section_f(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch, progress: Progress) -> None:
@@ -49,19 +49,20 @@ def section_f(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
         return
     with psycopg.connect(scratch.conninfo(scratch.main), autocommit=True) as conn:
         conn.execute(CREATE_PROBE_TABLE)
-    measured: list[tuple[str, list[float], list[float]]] = []
+    #: Per configuration: its label, whether it is an extra one (a row, no target), the latencies.
+    measured: list[tuple[str, bool, list[float], list[float]]] = []
     #: Per configuration, how long the sender's call took (dispatch, apply_async).
     calls: list[tuple[list[float], list[float]]] = []
     #: Per configuration, how long after the dispatch call returned its message was on the broker.
     hops: list[list[float]] = []
-    # (pool, worker database setting, its query string, label, seconds the sender computes after each call)
-    configurations = [(pool_kind, name, query, name, 0.0) for pool_kind in POOLS for name, query, _ in WORKER_DATABASES]
-    configurations.append((POOLS[0], DJANGO_CONNECTION[0], DJANGO_CONNECTION[1], DJANGO_CONNECTION[0], 0.0))
-    pooled_name, pooled_query, _ = WORKER_DATABASES[1]
-    configurations.append((POOLS[0], pooled_name, pooled_query, BUSY_LABEL, BUSY_SECONDS))
+    # (pool, worker database setting, its query string, seconds the sender computes after each call)
+    configurations = [(pool_kind, name, query, 0.0) for pool_kind in POOLS for name, query, _ in WORKER_DATABASES]
+    configurations.append((POOLS[0], DJANGO_CONNECTION[0], DJANGO_CONNECTION[1], 0.0))
+    configurations.append((POOLS[0], WORKER_DATABASES[1][0], WORKER_DATABASES[1][1], BUSY_SECONDS))
     try:
-        for pool_kind, name, query, shown, busy in configurations:
-            label = f"{pool_kind}, {shown}"
+        for pool_kind, name, query, busy in configurations:
+            label = f"{pool_kind}, {name}{BUSY_SUFFIX if busy else ''}"
+            extra = bool(busy) or name == DJANGO_CONNECTION[0]
             broker.purge(app, opts.pool_queue)  # what (a) left, if anything
             worker = CeleryWorker(
                 broker=opts.broker,
@@ -80,7 +81,7 @@ def section_f(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
                     worker.check()
                     raise WorkerError(f"(f) {label} failed:\n{reply['error']}\nthe worker's log:\n{worker.log_tail()}")
             latency = reply["latency_us"]
-            measured.append((label, sorted(latency["dispatch"]), sorted(latency["baseline"])))
+            measured.append((label, extra, sorted(latency["dispatch"]), sorted(latency["baseline"])))
             calls.append((sorted(reply["call_us"]["dispatch"]), sorted(reply["call_us"]["baseline"])))
             hops.append(sorted(reply["hop_us"]))
     finally:
@@ -94,14 +95,14 @@ def section_f(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
 def _report_f(
     report: Report,
     opts: Options,
-    measured: list[tuple[str, list[float], list[float]]],
+    measured: list[tuple[str, bool, list[float], list[float]]],
     calls: list[tuple[list[float], list[float]]],
     hops: list[list[float]],
 ) -> None:
     def p(values: list[float], q: float) -> str:
         return _report.ms(_report.percentile(values, q)) if values else "-"
 
-    for (label, dispatch, baseline), (dispatch_call, apply_call), hop in zip(measured, calls, hops, strict=True):
+    for (label, _, dispatch, baseline), (dispatch_call, apply_call), hop in zip(measured, calls, hops, strict=True):
         report.row(
             "f",
             f"dispatch -> first step p50 / p99, {label}",
@@ -115,10 +116,10 @@ def _report_f(
             f"{p(baseline, 50)} / {p(baseline, 99)}",
             f"the apply_async call itself p50 {p(apply_call, 50)}",
         )
-    for label, dispatch, baseline in measured:
+    for label, extra, dispatch, baseline in measured:
         ratio = _report.percentile(dispatch, 50) / _report.percentile(baseline, 50)
         short = "" if len(dispatch) >= 100 else f"(only {len(dispatch)} samples: --quick or --first-steps)"
-        if label.endswith((DJANGO_CONNECTION[0], BUSY_LABEL)):  # the extra configurations: a row, no target
+        if extra:  # a row, no target
             report.row("f", f"ratio dispatch -> first step / bare task p50, {label}", _report.ratio(ratio), "option")
             continue
         report.target(
@@ -158,7 +159,8 @@ def _report_f(
         "PL/pgSQL)."
     )
     report.note(
-        f"(f) {BUSY_LABEL} (option): the sender computes {BUSY_SECONDS * 1e3:g} ms in Python right after each "
+        f"(f) {POOLS[0]}, {WORKER_DATABASES[1][0]}{BUSY_SUFFIX} (option): the sender computes "
+        f"{BUSY_SECONDS * 1e3:g} ms in Python right after each "
         "call, dispatch and apply_async alike, as a view renders its response after starting a run; both latencies "
         "include it. The publisher's thread needs the GIL to build and send the message: it gets it when the "
         "sender's thread next waits (I/O, a sleep) or after Python's switch interval (sys.getswitchinterval(), "
