@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback
@@ -294,7 +295,15 @@ def section_b(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
     report.row("b", f"refusal latency p50, {n} starters", _report.ms(p50))
     worst = f"max {_report.ms(refused[-1])}" if refused else ""
     report.row("b", f"refusal latency p99, {n} starters", _report.ms(p99), worst)
-    floors = _round_trip_floors(pool, opts, report, progress)
+    floors, floor_cpu = _round_trip_floors(pool, opts, report, progress)
+    cpu = _cpu_per_call(replies, len(refused))
+    report.row(
+        "b",
+        f"CPU per refusal, {n} starters: client / database",
+        _cpu_text(cpu),
+        f"SELECT 1 through Django: {_cpu_text(floor_cpu)}; the latency under load follows"
+        f" this cost ({n} processes share {os.cpu_count()} cores)",
+    )
     report.row(
         "b",
         "over-admission after refusal storm",
@@ -379,25 +388,45 @@ def section_b(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
     )
 
 
-def _round_trip_floors(pool: WorkerPool, opts: Options, report: Report, progress: Progress) -> dict[str, float]:
+def _round_trip_floors(
+    pool: WorkerPool, opts: Options, report: Report, progress: Progress
+) -> tuple[dict[str, float], dict[str, float | None]]:
     """The same processes send ``SELECT 1`` instead of starting a run: the latency
     no refusal can go under on this machine, through Django's cursor (the way
-    durable's statement goes) and through bare psycopg. Returns the p99 of each."""
+    durable's statement goes) and through bare psycopg. Returns the p99 of each,
+    and the CPU per call through Django (``_cpu_per_call``)."""
     n = opts.starters
     p99s = {}
+    cpu: dict[str, float | None] = {}
     for via in ("django", "psycopg"):
         progress(f"(b) round-trip floor: {n} processes send SELECT 1 through {via} for {opts.hot_seconds:g} s")
         message = {"cmd": "roundtrip", "via": via, "seconds": opts.hot_seconds, "size": n}
         replies = pool.call(range(n), message, timeout=opts.hot_seconds + 300)
         latencies = sorted(us for rep in replies for us in rep["latency_us"])
         p99s[via] = _report.percentile(latencies, 99)
+        if via == "django":
+            cpu = _cpu_per_call(replies, len(latencies))
         report.row(
             "b",
             f"floor: SELECT 1 p50 / p99, {n} procs, {via}",
             f"{_report.ms(_report.percentile(latencies, 50))} / {_report.ms(p99s[via])}",
             f"{len(latencies) / opts.hot_seconds:,.0f} /s; the cheapest round trip, same processes",
         )
-    return p99s
+    return p99s, cpu
+
+
+def _cpu_per_call(replies: list[dict[str, Any]], calls: int) -> dict[str, float | None]:
+    """Microseconds of CPU per call in the processes' replies ("cpu"), on the client's
+    side and the database's (None when a backend's could not be read: not on this machine)."""
+    per_call: dict[str, float | None] = {}
+    for side in ("client", "database"):
+        used = [rep["cpu"][side] for rep in replies]
+        per_call[side] = sum(used) * 1e6 / calls if calls and None not in used else None
+    return per_call
+
+
+def _cpu_text(cpu: dict[str, float | None]) -> str:
+    return " / ".join("-" if cpu[side] is None else f"{cpu[side]:.0f} us" for side in ("client", "database"))
 
 
 def _storm(key: str, seconds: float, size: int) -> dict[str, Any]:

@@ -240,6 +240,15 @@ class RawStarter:
         self.conn.close()
 
 
+def django_backend_pid() -> int:
+    """The process id of the PostgreSQL backend serving Django's default connection."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        return int(cursor.fetchone()[0])
+
+
 class RoundTrip:
     """``SELECT 1``, the cheapest statement there is: the floor under a refusal.
 
@@ -261,6 +270,10 @@ class RoundTrip:
         with connection.cursor() as cursor:
             cursor.execute("SELECT 1")
             cursor.fetchone()
+
+    def backend_pid(self) -> int:
+        """The process id of the PostgreSQL backend serving this round trip's connection."""
+        return self.conn.info.backend_pid if self.conn is not None else django_backend_pid()
 
     def close(self) -> None:
         if self.conn is not None:

@@ -15,11 +15,12 @@ Commands (``cmd``):
   for ``seconds``; reply the count, the elapsed time and the CPU time used (both
   include the wait for the background publisher's last messages, for dispatch).
 - ``storm``: start the hot workflow on ``key`` for ``seconds``; reply the
-  admitted and refused counts and their latencies (microseconds).
+  admitted and refused counts and their latencies (microseconds), and the CPU
+  time the process and its database backend used (``_CpuMeter``).
 - ``roundtrip``: send ``SELECT 1`` for ``seconds`` through ``via`` ("django":
   Django's ``connection.cursor()``, as durable does; "psycopg": a bare psycopg
-  connection); reply every call's latency (microseconds). The floor under any
-  refusal, measured with the same processes.
+  connection); reply every call's latency (microseconds) and the CPU time, as
+  ``storm``. The floor under any refusal, measured with the same processes.
 - ``latency``: ``starts`` starts on each alias, alternating between the aliases
   start by start; reply every start's latency (microseconds).
 - ``warm``: one start of the no-op workflow on each of ``keys`` (creates their lock rows).
@@ -195,15 +196,18 @@ class _Worker:
         durable = self.starters["durable"]
         admitted: list[int] = []
         refused: list[int] = []
+        meter = _CpuMeter(starters.django_backend_pid)
         for ok, us in _timed(lambda: durable.start(key, workflow=starters.HOT_WORKFLOW), seconds, self.barriers[size]):
             (admitted if ok else refused).append(us)
-        return {"admitted_us": admitted, "refused_us": refused}
+        return {"admitted_us": admitted, "refused_us": refused, "cpu": meter.used()}
 
     def roundtrip(self, via: str, seconds: float, size: int) -> Reply:
         probe = self._starter(f"roundtrip@{via}")
         for _ in range(50):
             probe()
-        return {"latency_us": [us for _, us in _timed(probe, seconds, self.barriers[size])]}
+        meter = _CpuMeter(probe.backend_pid)
+        latencies = [us for _, us in _timed(probe, seconds, self.barriers[size])]
+        return {"latency_us": latencies, "cpu": meter.used()}
 
     def latency(self, aliases: list[str], starts: int, nkeys: int) -> Reply:
         """``starts`` timed starts on each alias, alternating start by start (AB BA AB ...)."""
@@ -430,6 +434,39 @@ def _timed(call: Callable[[], Any], seconds: float, barrier: Any) -> Iterator[tu
         yield result, int((now - t) * 1e6)
         if now >= deadline:
             return
+
+
+class _CpuMeter:
+    """The CPU time this process and its connection's PostgreSQL backend use from
+    now to ``used``: {"client": seconds, "database": seconds or None}. The
+    backend's is read from /proc, so only when the database runs on this machine
+    (and the connection kept the same backend throughout)."""
+
+    def __init__(self, backend_pid: Callable[[], int]) -> None:
+        self.backend_pid = backend_pid
+        self.pid = backend_pid()
+        self.client = time.process_time()
+        self.database = _backend_cpu(self.pid)
+
+    def used(self) -> dict[str, float | None]:
+        client = time.process_time() - self.client
+        database = _backend_cpu(self.pid)
+        if self.database is None or database is None or self.backend_pid() != self.pid:
+            return {"client": client, "database": None}
+        return {"client": client, "database": database - self.database}
+
+
+def _backend_cpu(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` if it is a PostgreSQL backend on this machine."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            name, _, rest = stat.read().rpartition(")")
+    except OSError:
+        return None
+    if not name.endswith("(postgres"):
+        return None
+    fields = rest.split()  # fields 3, 4, ... of proc(5): utime is the 14th, stime the 15th
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _latency_key(j: int) -> str:

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
+from django.core.management import call_command
 from django.db import connection
 
 import durable
@@ -75,6 +79,40 @@ def test_installed_functions_are_the_newest_versioned_file(name: str) -> None:
         assert installed.split("$function$")[1] == body.split("$$")[1], function
         for parameter in re.findall(r"(p_\w+ \w+)", body.split("returns")[0]):
             assert parameter in installed, (function, parameter)
+
+
+def installed_admit() -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_get_functiondef('durable_admit'::regproc)")
+        return normalise(cursor.fetchone()[0]).split("$function$")[1]
+
+
+def _admit_body(name: str) -> str:
+    """The body of ``durable_admit`` in the versioned file ``name``."""
+    return definitions((SQL / "migrations" / f"{name}.sql").read_text())["durable_admit"].split("$$")[1]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    ("migration", "before", "released", "reinstalled"),
+    [
+        ("0018_burst_admit", "0017_burst", "0018_admit", "0017_admit"),
+        ("0024_admit_refusal_reads", "0023_slot_functions", "0024_admit", "0018_admit"),
+    ],
+)
+def test_a_migration_installs_its_durable_admit_and_its_reverse_the_previous_one(
+    migration: str, before: str, released: str, reinstalled: str
+) -> None:
+    assert _admit_body(released) != _admit_body(reinstalled)
+    try:
+        call_command("migrate", "durable", before, verbosity=0)
+        assert installed_admit() == _admit_body(reinstalled)
+        call_command("migrate", "durable", migration, verbosity=0)
+        assert installed_admit() == _admit_body(released)
+    finally:
+        call_command("migrate", "durable", verbosity=0)
+    assert installed_admit() == _admit_body(newest_migration_sql().stem)
 
 
 def _call(run_id: str, quotas: list[dict[str, Any]], *, given: bool) -> tuple[Any, ...]:
@@ -187,3 +225,79 @@ def test_a_refusal_answers_the_rows_durations_and_the_age_of_the_oldest_in_fligh
     outcome = _call(f"{key}:2", payload, given=False)
     assert outcome[0] == "full" and _json(outcome[5]) == [10, 50, 40] and 15.0 <= outcome[6] <= 16.0, outcome
     assert estimate(_json(outcome[5]), outcome[6]) == pytest.approx(25.0, abs=1.0)  # median 40 minus 15 in flight
+    # At a limit of 0 nothing is measured: no estimate.
+    assert _call(f"{key}:3", [{**payload[0], "limit": 0}], given=False)[:7] == ("full", key, 0, 1, None, None, None)
+
+
+def _limit_of(key: str) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute('SELECT "limit" FROM durable_concurrencylock WHERE key = %s', [key])
+        return int(cursor.fetchone()[0])
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_a_refusal_records_its_limits_on_the_rows_of_keys_counted_before_the_full_one_and_after_it() -> None:
+    # The count of step 1 compares each key's row as it counts it, and stops at the
+    # full key: the rows of the keys after it are compared by a statement of their own.
+    key = f"sql:{uuid.uuid4().hex}"
+    first, second = f"{key}:a", f"{key}:b"
+
+    def quota(key: str, limit: int) -> dict[str, Any]:
+        return {"key": key, "limit": limit, "statuses": ["pending", "running"], "group": ""}
+
+    assert _call(f"{key}:1", [quota(first, 1)], given=False)[0] == "created"  # the first key is full
+    assert _call(f"{key}:2", [quota(second, 5)], given=False)[0] == "created"  # the second has room
+    assert _call(f"{key}:3", [quota(first, 1), quota(second, 3)], given=False)[:2] == ("full", first)
+    assert (_limit_of(first), _limit_of(second)) == (1, 3)  # after the full key
+    assert _call(f"{key}:4", [quota(second, 1)], given=False)[0] == "full"  # now the second key is full
+    assert _call(f"{key}:5", [quota(first, 1)], given=False)[0] == "full"
+    with connection.cursor() as cursor:  # the first key has room again
+        cursor.execute("UPDATE durable_runtag SET status = 'completed' WHERE tag = %s", [f"concurrency:{first}"])
+    assert _call(f"{key}:6", [quota(first, 4), quota(second, 1)], given=False)[:2] == ("full", second)
+    assert (_limit_of(first), _limit_of(second)) == (4, 1)  # counted before the full key
+
+
+def _waits_for_a_lock(pid: int) -> bool:
+    # On Django's connection, outside a transaction: pg_stat_activity is read once per transaction.
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock')", [pid])
+        return bool(cursor.fetchone()[0])
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_start_refused_after_waiting_for_the_keys_lock_answers_the_estimate() -> None:
+    # Step 1 finds room on both keys, a start admitted meanwhile fills the first, and
+    # step 2 (under its lock) refuses: the answer reads that key's durations and
+    # oldest age itself (step 1 read the last key's).
+    key = f"sql:{uuid.uuid4().hex}"
+    first, second = f"{key}:a", f"{key}:b"
+    quotas = json.dumps(
+        [
+            {"key": first, "limit": 2, "statuses": ["pending", "running"], "group": ""},
+            {"key": second, "limit": 5, "statuses": ["pending", "running"], "group": ""},
+        ]
+    )
+    call = "SELECT * FROM durable_admit(%s::jsonb, NULL, %s, 'w', '1', 'default', '{}'::jsonb, NULL, '', false)"
+    assert _call(f"{key}:1", json.loads(quotas), given=False)[0] == "created"
+    with connection.cursor() as cursor:
+        for row_key, durations in ((first, "[30]"), (second, "[99]")):
+            cursor.execute("UPDATE durable_concurrencylock SET recent_durations = %s::jsonb WHERE key = %s", [durations, row_key])
+        cursor.execute(
+            "UPDATE durable_runtag SET created_at = now() - interval '15 seconds' WHERE tag = %s", [f"concurrency:{first}"]
+        )
+    params = connection.get_connection_params()
+    answers: list[tuple[Any, ...]] = []
+    with psycopg.connect(**params) as holder, psycopg.connect(**params, autocommit=True) as waiter:
+        assert holder.execute(call, [quotas, f"{key}:2"]).fetchone()[0] == "created"  # holds both keys' locks
+        thread = threading.Thread(target=lambda: answers.append(waiter.execute(call, [quotas, f"{key}:3"]).fetchone()))
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not _waits_for_a_lock(waiter.info.backend_pid):
+            assert time.monotonic() < deadline, "the second start never waited for the key's lock"
+            time.sleep(0.01)
+        holder.commit()
+        thread.join(timeout=10)
+    [answer] = answers
+    assert answer[:5] == ("full", first, 2, 2, None) and _json(answer[5]) == [30] and 15.0 <= answer[6] <= 16.0, answer

@@ -12,13 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from django.core.management import call_command
-from django.db import OperationalError, connection
+from django.db import OperationalError
 
 from durable import DEFAULT_CONCURRENCY_STATUSES, Burst, Concurrency, ConcurrencyLimitError, DjangoStore, Engine, Strategy
 from durable.models import ConcurrencyLock
 from durable.runtime import Registry
-from tests.integration.test_admit_sql import SQL, definitions, normalise
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -95,22 +93,3 @@ def test_a_hand_off_on_the_pool_never_overfills_it(engine: Engine, busy_pool: li
     assert engine.count_runs(tag="concurrency:u-pool", statuses=["queued"]) == 1, "a queued run was handed a slot"
     assert engine.count_runs(tag="concurrency:u-pool", statuses=COUNTED) == 2  # the pool limit
     assert pool_statuses() == COUNTED
-
-
-def installed_admit() -> str:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_get_functiondef('durable_admit'::regproc)")
-        return normalise(cursor.fetchone()[0]).split("$function$")[1]
-
-
-def test_migration_0018_installs_the_fix_and_its_reverse_reinstalls_0017s() -> None:
-    released = {name: definitions((SQL / "migrations" / f"{name}.sql").read_text()) for name in ("0017_admit", "0018_admit")}
-    body = {name: functions["durable_admit"].split("$$")[1] for name, functions in released.items()}
-    assert body["0017_admit"] != body["0018_admit"]
-    assert installed_admit() == body["0018_admit"]
-    try:
-        call_command("migrate", "durable", "0017_burst", verbosity=0)
-        assert installed_admit() == body["0017_admit"]
-    finally:
-        call_command("migrate", "durable", verbosity=0)
-    assert installed_admit() == body["0018_admit"]
