@@ -1,7 +1,7 @@
 -- durable_admit: the whole REJECT admission of a start in one round trip (PostgreSQL).
--- Installed by migration 0024 (0004 installed the first version, 0006 the second,
--- 0011 the third, 0012 the fourth, 0017 the fifth, 0018 the sixth); a change here
--- needs a new file in durable/sql/migrations/ and a migration that runs it.
+-- Installed by migration 0018 (0004 installed the first version, 0006 the second,
+-- 0011 the third, 0012 the fourth, 0017 the fifth); a change here needs a new
+-- file in durable/sql/migrations/ and a migration that runs it.
 --
 -- p_quotas: [{"key", "limit", "statuses": [...], "group", "burst"?, "pool_limit"?,
 -- "lock_pool"?, "in_transaction"?}], sorted by key; "limit" is the code's limit: an operator's
@@ -21,11 +21,7 @@
 -- pool's when the pool refused).
 --
 -- 1. Refuse at once, without waiting for any lock, when a key is already full:
---    the committed count says so, and nothing is created. The statement that
---    counts a key also reads its row (the override, the limits recorded there,
---    recent_durations) and the age of its oldest run in flight, so that such a
---    refusal runs no other statement (before 0024 it ran four more: the body
---    took 36 us per refusal, 23 us since, measured in a loop inside PostgreSQL).
+--    the committed count says so, and nothing is created.
 -- 2. Otherwise lock each key's row in key order, creating a missing row first
 --    (a row that does not exist locks nothing; INSERT ... ON CONFLICT DO NOTHING
 --    waits for a concurrent insert of the same key), and count again: this
@@ -35,9 +31,7 @@
 -- A refusal records its limits on the keys' rows that differ, skipping rows
 -- locked by another starter (so it never waits); when every row holds them
 -- already (the usual refusal: the same limit as the starts before it) it runs
--- no UPDATE statement at all, which keeps a refusal storm on a hot key cheap
--- (the rows of the keys step 1 counted are compared in that same statement; only
--- keys it did not read, after the full one or with a burst, are read again).
+-- no UPDATE statement at all, which keeps a refusal storm on a hot key cheap.
 -- A refusal of a given run id first makes sure no run has that id: a start of
 -- the same id in a transaction not yet committed is invisible, so it tries to
 -- insert the run id (ON CONFLICT DO NOTHING waits for that transaction), and
@@ -104,9 +98,6 @@ DECLARE
     v_active bigint;
     v_full boolean := false;
     v_stale boolean := false;
-    v_key_stale boolean;
-    v_read text[] := '{}';
-    v_estimated boolean := false;
     v_parent bigint;
     v_pk bigint;
     v_bursting boolean;
@@ -132,8 +123,8 @@ BEGIN
     v_nowait := v_in_transaction AND NOT v_fresh;
     FOR q IN SELECT value FROM jsonb_array_elements(p_quotas) LOOP
         v_key := q->>'key';
+        v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
         IF q ? 'burst' THEN
-            v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
             SELECT count(*) FILTER (WHERE t.tag = 'concurrency:' || v_key),
                    count(*) FILTER (WHERE t.tag = 'borrowed:' || v_key),
                    COALESCE((SELECT l.limit_override FROM durable_concurrencylock l WHERE l.key = v_key),
@@ -156,21 +147,14 @@ BEGIN
             END IF;
             CONTINUE;
         END IF;
-        -- The count, the key's row (a missing row is not stale) and what a refusal answers.
-        SELECT c.active, COALESCE(l.limit_override, (q->>'limit')::integer), l.recent_durations, c.oldest_age,
-               COALESCE(l."limit" IS DISTINCT FROM (q->>'limit')::integer OR l.count_statuses <> q->'statuses', false)
-          INTO v_active, v_limit, v_durations, v_oldest_age, v_key_stale
-          FROM (SELECT count(*) AS active, extract(epoch FROM now() - min(t.created_at)) AS oldest_age
-                  FROM durable_runtag t
-                 WHERE t.tag = 'concurrency:' || v_key
-                   AND t.status = ANY (ARRAY(SELECT jsonb_array_elements_text(q->'statuses')))
-                   AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace)) AS c
-          LEFT JOIN durable_concurrencylock l ON l.key = v_key;
-        v_read := v_read || v_key;
-        v_stale := v_stale OR v_key_stale;
+        SELECT count(*), COALESCE(
+                   (SELECT l.limit_override FROM durable_concurrencylock l WHERE l.key = v_key),
+                   (q->>'limit')::integer)
+          INTO v_active, v_limit FROM durable_runtag t
+         WHERE t.tag = 'concurrency:' || v_key AND t.status = ANY (v_statuses)
+           AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
         IF v_active >= v_limit THEN
             v_full := true;
-            v_estimated := true;
             EXIT;
         END IF;
     END LOOP;
@@ -310,14 +294,13 @@ BEGIN
         -- Record the refused start's limits on its keys' rows (the quota read model
         -- and hand-offs read them): only rows whose values differ, never waiting
         -- for a row another starter holds locked.
-        -- (Step 1 compared the rows of the keys it counted: v_stale, v_read.)
-        IF NOT v_stale AND cardinality(v_read) < jsonb_array_length(p_quotas) THEN
+        FOR q IN SELECT value FROM jsonb_array_elements(p_quotas) LOOP
             v_stale := EXISTS (
-                SELECT 1 FROM jsonb_array_elements(p_quotas) AS e
-                  JOIN durable_concurrencylock l ON l.key = e->>'key'
-                 WHERE NOT l.key = ANY (v_read)
-                   AND (l."limit" IS DISTINCT FROM (e->>'limit')::integer OR l.count_statuses <> e->'statuses'));
-        END IF;
+                SELECT 1 FROM durable_concurrencylock l
+                 WHERE l.key = q->>'key'
+                   AND (l."limit" IS DISTINCT FROM (q->>'limit')::integer OR l.count_statuses <> q->'statuses'));
+            EXIT WHEN v_stale;
+        END LOOP;
         IF v_stale THEN
             UPDATE durable_concurrencylock l SET "limit" = (e->>'limit')::integer, count_statuses = e->'statuses'
               FROM jsonb_array_elements(p_quotas) AS e
@@ -328,13 +311,9 @@ BEGIN
                       FOR UPDATE OF k SKIP LOCKED);
         END IF;
         -- The estimate of Retry-After, on the full key, or on the pool that refused
-        -- (its in-flight runs are few: at most its limit). Step 1 read it already
-        -- when it refused; nothing is measured at a limit of 0.
+        -- (its in-flight runs are few: at most its limit).
         v_estimate := CASE WHEN v_burst->>'source' = 'pool' THEN v_burst->>'pool' ELSE v_key END;
-        IF v_limit <= 0 AND v_burst IS NULL THEN
-            v_durations := NULL;
-            v_oldest_age := NULL;
-        ELSIF NOT v_estimated THEN
+        IF v_limit > 0 OR v_burst IS NOT NULL THEN
             SELECT (SELECT l.recent_durations FROM durable_concurrencylock l WHERE l.key = v_estimate),
                    extract(epoch FROM now() - min(t.created_at))
               INTO v_durations, v_oldest_age FROM durable_runtag t

@@ -98,7 +98,6 @@ def _admit_body(name: str) -> str:
     ("migration", "before", "released", "reinstalled"),
     [
         ("0018_burst_admit", "0017_burst", "0018_admit", "0017_admit"),
-        ("0024_admit_refusal_reads", "0023_slot_functions", "0024_admit", "0018_admit"),
     ],
 )
 def test_a_migration_installs_its_durable_admit_and_its_reverse_the_previous_one(
@@ -238,8 +237,8 @@ def _limit_of(key: str) -> int:
 @pytest.mark.postgres
 @pytest.mark.django_db
 def test_a_refusal_records_its_limits_on_the_rows_of_keys_counted_before_the_full_one_and_after_it() -> None:
-    # The count of step 1 compares each key's row as it counts it, and stops at the
-    # full key: the rows of the keys after it are compared by a statement of their own.
+    # Step 1 stops at the full key; the refusal records the limits on the rows of
+    # the keys before it and after it.
     key = f"sql:{uuid.uuid4().hex}"
     first, second = f"{key}:a", f"{key}:b"
 
@@ -269,8 +268,8 @@ def _waits_for_a_lock(pid: int) -> bool:
 @pytest.mark.django_db(transaction=True)
 def test_a_start_refused_after_waiting_for_the_keys_lock_answers_the_estimate() -> None:
     # Step 1 finds room on both keys, a start admitted meanwhile fills the first, and
-    # step 2 (under its lock) refuses: the answer reads that key's durations and
-    # oldest age itself (step 1 read the last key's).
+    # step 2 (under its lock) refuses: the answer is that key's durations and oldest
+    # age, not those of the last key counted.
     key = f"sql:{uuid.uuid4().hex}"
     first, second = f"{key}:a", f"{key}:b"
     quotas = json.dumps(
