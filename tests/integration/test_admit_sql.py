@@ -114,12 +114,13 @@ def test_a_migration_installs_its_durable_admit_and_its_reverse_the_previous_one
     assert installed_admit() == _admit_body(newest_migration_sql().stem)
 
 
+#: A call of durable_admit: the quotas, the run id, and whether that id was given.
+ADMIT = "SELECT * FROM durable_admit(%s::jsonb, NULL, %s, 'w', '1', 'default', '{}'::jsonb, NULL, '', %s)"
+
+
 def _call(run_id: str, quotas: list[dict[str, Any]], *, given: bool) -> tuple[Any, ...]:
     with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT * FROM durable_admit(%s::jsonb, NULL, %s, 'w', '1', 'default', '{}'::jsonb, NULL, '', %s)",
-            [json.dumps(quotas), run_id, given],
-        )
+        cursor.execute(ADMIT, [json.dumps(quotas), run_id, given])
         return tuple(cursor.fetchone())
 
 
@@ -278,7 +279,6 @@ def test_a_start_refused_after_waiting_for_the_keys_lock_answers_the_estimate() 
             {"key": second, "limit": 5, "statuses": ["pending", "running"], "group": ""},
         ]
     )
-    call = "SELECT * FROM durable_admit(%s::jsonb, NULL, %s, 'w', '1', 'default', '{}'::jsonb, NULL, '', false)"
     assert _call(f"{key}:1", json.loads(quotas), given=False)[0] == "created"
     with connection.cursor() as cursor:
         for row_key, durations in ((first, "[30]"), (second, "[99]")):
@@ -289,8 +289,8 @@ def test_a_start_refused_after_waiting_for_the_keys_lock_answers_the_estimate() 
     params = connection.get_connection_params()
     answers: list[tuple[Any, ...]] = []
     with psycopg.connect(**params) as holder, psycopg.connect(**params, autocommit=True) as waiter:
-        assert holder.execute(call, [quotas, f"{key}:2"]).fetchone()[0] == "created"  # holds both keys' locks
-        thread = threading.Thread(target=lambda: answers.append(waiter.execute(call, [quotas, f"{key}:3"]).fetchone()))
+        assert holder.execute(ADMIT, [quotas, f"{key}:2", False]).fetchone()[0] == "created"  # holds both keys' locks
+        thread = threading.Thread(target=lambda: answers.append(waiter.execute(ADMIT, [quotas, f"{key}:3", False]).fetchone()))
         thread.start()
         deadline = time.monotonic() + 10
         while not _waits_for_a_lock(waiter.info.backend_pid):
