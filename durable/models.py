@@ -7,7 +7,7 @@ from django.db import models
 from django.db.models.functions import Now
 
 from durable.querysets import RunQuerySet, RunTagQuerySet
-from durable.status import TERMINAL_STATUSES, RunStatus
+from durable.status import DEFAULT_CONCURRENCY_STATUSES, TERMINAL_STATUSES, RunStatus
 
 
 class WorkflowRun(models.Model):
@@ -87,8 +87,11 @@ class WorkflowRun(models.Model):
 
 class RunTag(models.Model):
     """A tag of a run. ``status`` mirrors the run's status so that counting the
-    in-flight runs of a tag is one index range scan on ``(tag, status)``, whose
-    cost does not grow with the number of finished runs."""
+    in-flight runs of a tag is one index range scan, whose cost does not grow with
+    the number of finished runs: on ``durable_tag_slot_idx``, which holds only the
+    tags of runs in the default ``count_statuses`` (what PostgreSQL's functions
+    count through ``durable_counted_tags``, whatever their plans), or on
+    ``(tag, status)``."""
 
     #: No index of its own (db_index=False): the unique constraint on (run, tag) starts
     #: with it, so it serves the joins, the lookups by run and the cascade on delete.
@@ -105,7 +108,15 @@ class RunTag(models.Model):
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["run", "tag"], name="durable_tag_unique")]
-        indexes = [models.Index(fields=["tag", "status", "namespace"], name="durable_tag_count_idx")]
+        indexes = [
+            models.Index(fields=["tag", "status", "namespace"], name="durable_tag_count_idx"),
+            # Its statuses are written out in durable_counted_tags (sql/counting.sql) too.
+            models.Index(
+                fields=["tag", "status", "namespace"],
+                condition=models.Q(status__in=DEFAULT_CONCURRENCY_STATUSES),
+                name="durable_tag_slot_idx",
+            ),
+        ]
 
     def __str__(self) -> str:
         return self.tag
