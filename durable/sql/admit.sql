@@ -1,7 +1,9 @@
 -- durable_admit: the whole REJECT admission of a start in one round trip (PostgreSQL).
--- Installed by migration 0018 (0004 installed the first version, 0006 the second,
--- 0011 the third, 0012 the fourth, 0017 the fifth); a change here needs a new
--- file in durable/sql/migrations/ and a migration that runs it.
+-- Installed by migration 0025 (0004 installed the first version, 0006 the second,
+-- 0011 the third, 0012 the fourth, 0017 the fifth, 0018 the sixth); a change here
+-- needs a new file in durable/sql/migrations/ and a migration that runs it.
+-- Every count of a key's runs reads durable_counted_tags (0025), which reads no
+-- finished run of the key unless its count_statuses name a terminal status.
 --
 -- p_quotas: [{"key", "limit", "statuses": [...], "group", "burst"?, "pool_limit"?,
 -- "lock_pool"?, "in_transaction"?}], sorted by key; "limit" is the code's limit: an operator's
@@ -129,16 +131,14 @@ BEGIN
                    count(*) FILTER (WHERE t.tag = 'borrowed:' || v_key),
                    COALESCE((SELECT l.limit_override FROM durable_concurrencylock l WHERE l.key = v_key),
                             (q->>'limit')::integer)
-              INTO v_active, v_borrowed, v_limit FROM durable_runtag t
-             WHERE t.tag IN ('concurrency:' || v_key, 'borrowed:' || v_key) AND t.status = ANY (v_statuses)
-               AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
+              INTO v_active, v_borrowed, v_limit
+              FROM durable_counted_tags(ARRAY['concurrency:' || v_key, 'borrowed:' || v_key], v_statuses, p_count_namespace) AS t;
             IF v_active >= GREATEST((q->'burst'->>'up_to')::integer, v_limit) OR v_active - v_borrowed >= v_limit THEN
                 v_pool := q->'burst'->>'pool';
                 SELECT count(*), COALESCE((SELECT l.limit_override FROM durable_concurrencylock l WHERE l.key = v_pool),
                                           (q->>'pool_limit')::integer)
-                  INTO v_pool_active, v_pool_limit FROM durable_runtag t
-                 WHERE t.tag = 'concurrency:' || v_pool AND t.status = ANY (v_statuses)
-                   AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
+                  INTO v_pool_active, v_pool_limit
+                  FROM durable_counted_tags(ARRAY['concurrency:' || v_pool], v_statuses, p_count_namespace) AS t;
                 v_burst := durable_burst_refusal(q, v_limit, v_active, v_borrowed, v_pool_limit, v_pool_active);
                 IF v_burst IS NOT NULL THEN
                     v_full := true;
@@ -150,9 +150,8 @@ BEGIN
         SELECT count(*), COALESCE(
                    (SELECT l.limit_override FROM durable_concurrencylock l WHERE l.key = v_key),
                    (q->>'limit')::integer)
-          INTO v_active, v_limit FROM durable_runtag t
-         WHERE t.tag = 'concurrency:' || v_key AND t.status = ANY (v_statuses)
-           AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
+          INTO v_active, v_limit
+          FROM durable_counted_tags(ARRAY['concurrency:' || v_key], v_statuses, p_count_namespace) AS t;
         IF v_active >= v_limit THEN
             v_full := true;
             EXIT;
@@ -196,17 +195,15 @@ BEGIN
             IF q ? 'burst' THEN
                 SELECT count(*) FILTER (WHERE t.tag = 'concurrency:' || v_key),
                        count(*) FILTER (WHERE t.tag = 'borrowed:' || v_key)
-                  INTO v_active, v_borrowed FROM durable_runtag t
-                 WHERE t.tag IN ('concurrency:' || v_key, 'borrowed:' || v_key) AND t.status = ANY (v_statuses)
-                   AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
+                  INTO v_active, v_borrowed
+                  FROM durable_counted_tags(ARRAY['concurrency:' || v_key, 'borrowed:' || v_key], v_statuses, p_count_namespace) AS t;
                 IF v_active >= GREATEST((q->'burst'->>'up_to')::integer, v_limit) THEN
                     -- At its ceiling: refused without the pool's lock (its count is for the answer).
                     v_pool := q->'burst'->>'pool';
                     SELECT count(*), COALESCE((SELECT l.limit_override FROM durable_concurrencylock l WHERE l.key = v_pool),
                                               (q->>'pool_limit')::integer)
-                      INTO v_pool_active, v_pool_limit FROM durable_runtag t
-                     WHERE t.tag = 'concurrency:' || v_pool AND t.status = ANY (v_statuses)
-                       AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
+                      INTO v_pool_active, v_pool_limit
+                      FROM durable_counted_tags(ARRAY['concurrency:' || v_pool], v_statuses, p_count_namespace) AS t;
                     v_burst := durable_burst_refusal(q, v_limit, v_active, v_borrowed, v_pool_limit, v_pool_active);
                     v_full := true;
                     EXIT;
@@ -218,9 +215,8 @@ BEGIN
                 END IF;
                 CONTINUE;
             END IF;
-            SELECT count(*) INTO v_active FROM durable_runtag t
-             WHERE t.tag = 'concurrency:' || v_key AND t.status = ANY (v_statuses)
-               AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
+            SELECT count(*) INTO v_active
+              FROM durable_counted_tags(ARRAY['concurrency:' || v_key], v_statuses, p_count_namespace) AS t;
             IF v_active >= v_limit THEN
                 v_full := true;
                 EXIT;
@@ -258,9 +254,8 @@ BEGIN
                 SELECT l.limit_override INTO v_override FROM durable_concurrencylock l WHERE l.key = v_pool;
             END IF;
             v_pool_limit := COALESCE(v_override, (q->>'pool_limit')::integer);
-            SELECT count(*) INTO v_pool_active FROM durable_runtag t
-             WHERE t.tag = 'concurrency:' || v_pool AND t.status = ANY (v_statuses)
-               AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
+            SELECT count(*) INTO v_pool_active
+              FROM durable_counted_tags(ARRAY['concurrency:' || v_pool], v_statuses, p_count_namespace) AS t;
             v_burst := durable_burst_refusal(q, v_limit, v_active, v_borrowed, v_pool_limit, v_pool_active);
             IF v_burst IS NOT NULL THEN
                 v_full := true;
@@ -316,9 +311,8 @@ BEGIN
         IF v_limit > 0 OR v_burst IS NOT NULL THEN
             SELECT (SELECT l.recent_durations FROM durable_concurrencylock l WHERE l.key = v_estimate),
                    extract(epoch FROM now() - min(t.created_at))
-              INTO v_durations, v_oldest_age FROM durable_runtag t
-             WHERE t.tag = 'concurrency:' || v_estimate AND t.status = ANY (v_statuses)
-               AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
+              INTO v_durations, v_oldest_age
+              FROM durable_counted_tags(ARRAY['concurrency:' || v_estimate], v_statuses, p_count_namespace) AS t;
         END IF;
         RETURN QUERY SELECT 'full'::text, v_key, v_limit, v_active, NULL::bigint, v_durations, v_oldest_age, v_burst;
         RETURN;

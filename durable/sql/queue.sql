@@ -1,7 +1,9 @@
 -- durable_admit_queued, durable_promote: the queueing strategies in one round trip
--- each (PostgreSQL). Installed by migration 0015 (0010 installed the first version,
--- 0012 the second); a change here needs a new file in durable/sql/migrations/ and a
--- migration that runs it.
+-- each (PostgreSQL). Installed by migration 0025 (0010 installed the first version,
+-- 0012 the second, 0015 the third); a change here needs a new file in
+-- durable/sql/migrations/ and a migration that runs it. Every count of a key's
+-- runs reads durable_counted_tags (0025), which reads no finished run of the key
+-- unless its count_statuses name a terminal status.
 --
 -- A key's limit is the one its row holds, an operator's override (limit_override)
 -- replacing the code's limit (the "limit" of a quota, and the row's "limit"), each
@@ -125,9 +127,8 @@ BEGIN
         UPDATE durable_concurrencylock l SET "limit" = v_limit, count_statuses = q->'statuses'
          WHERE l.key = v_key AND (l."limit" IS DISTINCT FROM v_limit OR l.count_statuses <> q->'statuses');
         v_limits[i + 1] := COALESCE(v_override, v_limit);
-        SELECT count(*) INTO v_count FROM durable_runtag t
-         WHERE t.tag = 'concurrency:' || v_key AND t.status = ANY (v_statuses)
-           AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
+        SELECT count(*) INTO v_count
+          FROM durable_counted_tags(ARRAY['concurrency:' || v_key], v_statuses, p_count_namespace) AS t;
         v_active[i + 1] := v_count;
         v_count := 0;
         IF q->>'strategy' IN ('group_round_robin', 'cancel_queued_except_newest', 'cancel_queued_except_oldest') THEN
@@ -154,9 +155,8 @@ BEGIN
                 SELECT s FROM jsonb_array_elements_text(q->'statuses') AS s
                  WHERE s IN ('completed', 'failed', 'cancelled', 'dead'));
             IF cardinality(v_statuses) > 0 THEN
-                SELECT count(*) INTO v_finished FROM durable_runtag t
-                 WHERE t.tag = 'concurrency:' || v_key AND t.status = ANY (v_statuses)
-                   AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
+                SELECT count(*) INTO v_finished
+                  FROM durable_counted_tags(ARRAY['concurrency:' || v_key], v_statuses, p_count_namespace) AS t;
                 IF v_finished >= v_limit THEN
                     v_outcome := 'full';
                     v_reason := 'lifetime';
@@ -269,9 +269,8 @@ BEGIN
             v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
             SELECT (SELECT l.recent_durations FROM durable_concurrencylock l WHERE l.key = v_key),
                    extract(epoch FROM now() - min(t.created_at))
-              INTO v_durations, v_oldest_age FROM durable_runtag t
-             WHERE t.tag = 'concurrency:' || v_key AND t.status = ANY (v_statuses)
-               AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
+              INTO v_durations, v_oldest_age
+              FROM durable_counted_tags(ARRAY['concurrency:' || v_key], v_statuses, p_count_namespace) AS t;
         END IF;
         RETURN QUERY SELECT v_outcome, NULL::text, v_key, v_limit, v_active[i + 1], v_queued[i + 1],
                             (q->>'max_queued')::integer, v_reason, v_holder, v_durations, v_oldest_age,
@@ -398,9 +397,8 @@ BEGIN
               INTO v_limit, v_statuses, v_cursor
               FROM durable_concurrencylock l WHERE l.key = v_key;
             IF v_limit IS NOT NULL AND cardinality(v_statuses) > 0 THEN
-                SELECT count(*) INTO v_count FROM durable_runtag t
-                 WHERE t.tag = v_tag AND t.status = ANY (v_statuses)
-                   AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
+                SELECT count(*) INTO v_count
+                  FROM durable_counted_tags(ARRAY[v_tag], v_statuses, p_count_namespace) AS t;
                 EXIT handoffs WHEN v_count >= v_limit;
             END IF;
             v_cursor := COALESCE(v_cursor, '');
@@ -446,9 +444,8 @@ BEGIN
                     SELECT COALESCE(l.limit_override, l."limit"), ARRAY(SELECT jsonb_array_elements_text(l.count_statuses))
                       INTO v_limit, v_statuses
                       FROM durable_concurrencylock l WHERE l.key = v_other;
-                    SELECT count(*) INTO v_count FROM durable_runtag t
-                     WHERE t.tag = 'concurrency:' || v_other AND t.status = ANY (v_statuses)
-                       AND (p_count_namespace IS NULL OR t.namespace = p_count_namespace);
+                    SELECT count(*) INTO v_count
+                      FROM durable_counted_tags(ARRAY['concurrency:' || v_other], v_statuses, p_count_namespace) AS t;
                     IF v_count >= v_limit THEN
                         v_blocked := v_other;
                         EXIT;

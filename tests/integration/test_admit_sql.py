@@ -26,6 +26,7 @@ SQL = Path(durable.__file__).resolve().parent / "sql"
 #: Each current copy in durable/sql/ and the functions its file defines.
 FUNCTIONS = {
     "admit": ["durable_admit", "durable_burst_refusal", "durable_lock_pool"],
+    "counting": ["durable_counted_tags"],
     "lifecycle": ["durable_take", "durable_claim", "durable_record_step", "durable_finish", "durable_end"],
     "queue": ["durable_admit_queued", "durable_promote"],
     "slots": ["durable_acquire_slot", "durable_release_slot", "durable_slot_hand_off", "durable_slots_held"],
@@ -98,6 +99,7 @@ def _admit_body(name: str) -> str:
     ("migration", "before", "released", "reinstalled"),
     [
         ("0018_burst_admit", "0017_burst", "0018_admit", "0017_admit"),
+        ("0025_counted_tags", "0024_tag_slot_index", "0025_admit", "0018_admit"),
     ],
 )
 def test_a_migration_installs_its_durable_admit_and_its_reverse_the_previous_one(

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
+from typing import Any
 
 import psycopg
 import pytest
@@ -64,17 +66,71 @@ def test_start_with_explicit_run_id_adds_one_lookup(engine: Engine, django_asser
         engine.start("w", {"key": "tenant:a"}, run_id="explicit-1")
 
 
+def _plan(sql: str, params: list[Any]) -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_seqscan = off")  # tiny tables: ask what the planner can use
+        cursor.execute(f"EXPLAIN {sql}", params)
+        return "\n".join(row[0] for row in cursor.fetchall())
+
+
 @pytest.mark.postgres
-def test_quota_count_uses_the_tag_status_index(engine: Engine) -> None:
+@pytest.mark.parametrize(
+    ("statuses", "index"),
+    [
+        (["pending", "running", "suspended", "blocked"], "durable_tag_slot_idx"),
+        (["running"], "durable_tag_slot_idx"),
+        (["running", "completed"], "durable_tag_count_idx"),
+    ],
+)
+def test_quota_count_uses_a_tag_status_index(engine: Engine, statuses: list[str], index: str) -> None:
+    """The ORM's count (statuses as values): the partial index of the runs holding a
+    slot when the statuses are among its own, else (tag, status)."""
+    engine.start("w", {"key": "tenant:a"})
+    sql = "SELECT COUNT(*) FROM durable_runtag WHERE tag = %s AND status = ANY(%s)"
+    plan = _plan(sql, ["concurrency:tenant:a", statuses])
+    assert index in plan, plan
+
+
+def _index_scans(node: dict[str, Any]) -> dict[str, int]:
+    """The indexes an EXPLAIN (ANALYZE, FORMAT JSON) plan reads, each with its loops (0: never run)."""
+    scans = {node["Index Name"]: node["Actual Loops"]} if "Index Name" in node else {}
+    for child in node.get("Plans", []):
+        scans.update(_index_scans(child))
+    return scans
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize(
+    ("statuses", "read", "not_run"),
+    [
+        ("{pending,running,suspended,blocked}", "durable_tag_slot_idx", "durable_tag_count_idx"),
+        ("{running}", "durable_tag_slot_idx", "durable_tag_count_idx"),
+        ("{running,completed}", "durable_tag_count_idx", "durable_tag_slot_idx"),
+    ],
+)
+def test_the_functions_count_reads_the_slot_index_in_a_generic_plan(
+    engine: Engine, statuses: str, read: str, not_run: str
+) -> None:
+    """durable_counted_tags is inlined (no function scan) and, planned without its
+    arguments' values as durable's functions are, reads the partial index unless the
+    statuses name a terminal one; the other branch is not run."""
     engine.start("w", {"key": "tenant:a"})
     with connection.cursor() as cursor:
         cursor.execute("SET LOCAL enable_seqscan = off")  # tiny tables: ask what the planner can use
+        cursor.execute("SET LOCAL plan_cache_mode = force_generic_plan")
         cursor.execute(
-            "EXPLAIN SELECT COUNT(*) FROM durable_runtag WHERE tag = %s AND status = ANY(%s)",
-            ["concurrency:tenant:a", ["pending", "running", "suspended", "blocked"]],
+            "PREPARE durable_count_probe(text[], text[], text) AS SELECT count(*) FROM durable_counted_tags($1, $2, $3)"
         )
-        plan = "\n".join(row[0] for row in cursor.fetchall())
-    assert "durable_tag_count_idx" in plan, plan
+        try:
+            cursor.execute(
+                "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE durable_count_probe(%s, %s, NULL)", [["concurrency:tenant:a"], statuses]
+            )
+            [[explained]] = cursor.fetchall()
+        finally:
+            cursor.execute("DEALLOCATE durable_count_probe")
+    plan = (json.loads(explained) if isinstance(explained, str) else explained)[0]["Plan"]
+    assert "Function Scan" not in json.dumps(plan), plan
+    assert _index_scans(plan) == {read: 1, not_run: 0}, plan
 
 
 # -- a run's lifecycle: one round trip per state change (PostgreSQL) -----------------------------
