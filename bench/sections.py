@@ -545,6 +545,8 @@ def section_c(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
     for label, name in (("no", empty_db), (f"{n:,}", big_db)):
         plan = history.count_plan(scratch.conninfo(name), "c-k0")
         report.note(f"(c) the tag COUNT with {label} finished runs: {plan}")
+        plan = history.function_count_plan(scratch.conninfo(name), "c-k0")
+        report.note(f"(c) the SQL functions' count with {label} finished runs (generic plan): {plan}")
     report.target(
         "c",
         f"start latency ratio, {n:,} finished runs vs none (p50)",
