@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -124,3 +126,63 @@ def _explained(conn: str | psycopg.Connection[Any], sql: str, params: tuple[Any,
     median = sorted(times)[len(times) // 2] if times else float("nan")
     parts = (scan, f"{removed:,} entries read and filtered out", fetches, f"execution {median:.3f} ms (median of {len(times)})")
     return "; ".join(part for part in parts if part)
+
+
+#: The finished runs of the key measured by ``key_history_latency`` in a full run.
+KEY_HISTORY = 5_000
+#: A call of ``durable_admit`` on one key (``%s``: the quotas, the run id).
+ADMIT = "SELECT outcome FROM durable_admit(%s::jsonb, NULL, %s, 'bench', '1', 'default', '{}'::jsonb, NULL, '', false)"
+
+
+def key_history_latency(conninfo: str, history: int, calls: int) -> dict[str, dict[str, list[float]]]:
+    """``durable_admit``'s time (µs, as the client sees it) for a refusal and for an
+    admitted start (rolled back, so every call finds the same key), on a key with
+    ``history`` finished runs that no VACUUM has visited (a tenant's recent history)
+    and on a key without any; the four kinds interleaved, ``calls`` each.
+
+    Returns {"refusal" | "start": {"history" | "none": [µs, ...]}}.
+    """
+    tag = uuid.uuid4().hex[:8]
+    keys = {
+        ("refusal", "history"): f"{tag}-refused-history",
+        ("refusal", "none"): f"{tag}-refused-none",
+        ("start", "history"): f"{tag}-started-history",
+        ("start", "none"): f"{tag}-started-none",
+    }
+    statuses = list(DEFAULT_CONCURRENCY_STATUSES)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        for (kind, past), key in keys.items():
+            rows = [("completed", history)] if past == "history" else []
+            rows += [("running", 2)] if kind == "refusal" else []
+            for status, count in rows:
+                conn.execute(
+                    "WITH runs AS (INSERT INTO durable_workflowrun (run_id, workflow, version, namespace, status, attempt,"
+                    " lease, worker, generation, queue, waiting_for, redispatches, fenced)"
+                    " SELECT %(key)s || '-' || %(status)s || '-' || g, 'bench', '1', 'default', %(status)s, 1, '', '', 0,"
+                    " '', '', 0, false FROM generate_series(1, %(count)s) AS g RETURNING id)"
+                    " INSERT INTO durable_runtag (run_id, tag, status, namespace, group_key)"
+                    " SELECT id, 'concurrency:' || %(key)s, %(status)s, 'default', '' FROM runs",
+                    {"key": key, "status": status, "count": count},
+                )
+        # Statistics as autovacuum's ANALYZE keeps them (a table of mostly finished runs),
+        # the pages not vacuumed: a tenant's recent history.
+        conn.execute("ANALYZE durable_workflowrun, durable_runtag")
+        quotas = {
+            k: Jsonb([{"key": key, "limit": 2 if k[0] == "refusal" else 1_000_000, "statuses": statuses, "group": ""}])
+            for k, key in keys.items()
+        }
+        times: dict[str, dict[str, list[float]]] = {"refusal": {"history": [], "none": []}, "start": {"history": [], "none": []}}
+        for i in range(calls + 10):  # the first 10 of each warm the backend's caches and plans
+            order = list(quotas.items())
+            for (kind, past), payload in order[i % 4 :] + order[: i % 4]:  # each kind in each place in turn
+                t0 = time.perf_counter()
+                if kind == "refusal":  # one statement, which writes nothing
+                    [outcome] = conn.execute(ADMIT, (payload, f"{tag}-{i}")).fetchone()
+                else:
+                    with conn.transaction(force_rollback=True):
+                        [outcome] = conn.execute(ADMIT, (payload, f"{tag}-{i}")).fetchone()
+                elapsed = (time.perf_counter() - t0) * 1e6
+                assert outcome == ("full" if kind == "refusal" else "created"), outcome
+                if i >= 10:
+                    times[kind][past].append(elapsed)
+    return times

@@ -547,6 +547,20 @@ def section_c(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
         report.note(f"(c) the tag COUNT with {label} finished runs: {plan}")
         plan = history.function_count_plan(scratch.conninfo(name), "c-k0")
         report.note(f"(c) the SQL functions' count with {label} finished runs (generic plan): {plan}")
+    # A tenant's own recent history: finished runs on the key itself, not yet vacuumed.
+    calls = max(opts.latency_starts // 4, 50)
+    progress(f"(c) durable_admit on a key with {history.KEY_HISTORY:,} finished runs not vacuumed, {calls} calls per kind")
+    times = history.key_history_latency(scratch.conninfo(big_db), history.KEY_HISTORY, calls)
+    for kind, label in (("refusal", "a refusal"), ("start", "an admitted start (rolled back)")):
+        with_history, without = (sorted(times[kind][past]) for past in ("history", "none"))
+        p50, base = _report.percentile(with_history, 50), _report.percentile(without, 50)
+        report.row(
+            "c",
+            f"durable_admit p50, {label}: key with {history.KEY_HISTORY:,} finished runs / without",
+            _report.ratio(p50 / base),
+            f"{_report.ms(p50)} vs {_report.ms(base)}; the history not yet vacuumed, statistics analyzed; "
+            f"{len(with_history):,} calls each, interleaved, one connection",
+        )
     report.target(
         "c",
         f"start latency ratio, {n:,} finished runs vs none (p50)",
