@@ -13,18 +13,22 @@ finished runs (the functions as they were read 2,000 to 4,000 here)."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from django.db import connection
 
-from durable import Burst, Concurrency, ConcurrencyLimitError, Engine, RunStatus, Strategy
+import durable
+from durable import DEFAULT_CONCURRENCY_STATUSES, Burst, Concurrency, ConcurrencyLimitError, Engine, RunStatus, Strategy
 from durable.runtime import Registry
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
+SQL = Path(durable.__file__).resolve().parent / "sql"
 HISTORY = 2_000
 #: What a count may read on a key: its runs in flight, a few index pages' worth of
 #: entries besides; far below HISTORY.
@@ -167,3 +171,19 @@ def test_a_count_of_finished_statuses_still_counts_them() -> None:
     with pytest.raises(ConcurrencyLimitError) as refused:
         engine.start("w", {}, concurrency=[cap])
     assert refused.value.fields["active"] == 4
+
+
+def test_the_function_names_the_statuses_of_the_partial_index() -> None:
+    """durable_counted_tags can read durable_tag_slot_idx only if it writes out the
+    index's own statuses: the index (as installed), the function and
+    DEFAULT_CONCURRENCY_STATUSES name the same ones."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT indexdef FROM pg_indexes WHERE indexname = 'durable_tag_slot_idx'")
+        [indexdef] = cursor.fetchone()
+    in_index = set(re.findall(r"'(\w+)'::", indexdef.split("WHERE", 1)[1]))
+    body = (SQL / "counting.sql").read_text().split("$$")[1]
+    arrays = [set(found.split(",")) for found in re.findall(r"'\{([\w,]+)\}'", body)]
+    lists = [set(re.findall(r"'(\w+)'", found)) for found in re.findall(r"status IN \(([^)]*)\)", body)]
+    assert arrays and lists
+    assert in_index == set(DEFAULT_CONCURRENCY_STATUSES)
+    assert all(found == in_index for found in arrays + lists), (arrays, lists)
