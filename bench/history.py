@@ -91,7 +91,8 @@ def vacuum_analyze(conninfo: str) -> None:
 
 def count_plan(conninfo: str, key: str, repeat: int = 5) -> str:
     """The plan of the admission COUNT for ``key`` in one line, with its median execution time."""
-    return _explained(conninfo, COUNT, ("concurrency:" + key, list(DEFAULT_CONCURRENCY_STATUSES)), repeat)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        return _explained(conn, COUNT, ("concurrency:" + key, list(DEFAULT_CONCURRENCY_STATUSES)), repeat)
 
 
 def function_count_plan(conninfo: str, key: str, repeat: int = 5) -> str:
@@ -106,10 +107,7 @@ def function_count_plan(conninfo: str, key: str, repeat: int = 5) -> str:
         )
 
 
-def _explained(conn: str | psycopg.Connection[Any], sql: str, params: tuple[Any, ...], repeat: int) -> str:
-    if isinstance(conn, str):
-        with psycopg.connect(conn, autocommit=True) as owned:
-            return _explained(owned, sql, params, repeat)
+def _explained(conn: psycopg.Connection[Any], sql: str, params: tuple[Any, ...], repeat: int) -> str:
     times: list[float] = []
     lines: list[str] = []
     for _ in range(repeat):
@@ -142,6 +140,8 @@ def key_history_latency(conninfo: str, history: int, calls: int) -> dict[str, di
 
     Returns {"refusal" | "start": {"history" | "none": [µs, ...]}}.
     """
+    from durable import models
+
     tag = uuid.uuid4().hex[:8]
     keys = {
         ("refusal", "history"): f"{tag}-refused-history",
@@ -149,21 +149,25 @@ def key_history_latency(conninfo: str, history: int, calls: int) -> dict[str, di
         ("start", "history"): f"{tag}-started-history",
         ("start", "none"): f"{tag}-started-none",
     }
+    runs = _insert_select(
+        models.WorkflowRun,
+        {"run_id": "%(prefix)s || g", "workflow": "'bench'", "version": "'1'", "status": "%(status)s", "attempt": "1"},
+        "FROM generate_series(1, %(count)s) AS g",
+    )
+    tags = _insert_select(
+        models.RunTag,
+        {"run": "r.id", "tag": "'concurrency:' || %(key)s", "status": "r.status", "namespace": "r.namespace"},
+        f"FROM {models.WorkflowRun._meta.db_table} AS r WHERE r.run_id LIKE %(prefix)s || '%%'",
+    )
     statuses = list(DEFAULT_CONCURRENCY_STATUSES)
     with psycopg.connect(conninfo, autocommit=True) as conn:
         for (kind, past), key in keys.items():
             rows = [("completed", history)] if past == "history" else []
             rows += [("running", 2)] if kind == "refusal" else []
             for status, count in rows:
-                conn.execute(
-                    "WITH runs AS (INSERT INTO durable_workflowrun (run_id, workflow, version, namespace, status, attempt,"
-                    " lease, worker, generation, queue, waiting_for, redispatches, fenced)"
-                    " SELECT %(key)s || '-' || %(status)s || '-' || g, 'bench', '1', 'default', %(status)s, 1, '', '', 0,"
-                    " '', '', 0, false FROM generate_series(1, %(count)s) AS g RETURNING id)"
-                    " INSERT INTO durable_runtag (run_id, tag, status, namespace, group_key)"
-                    " SELECT id, 'concurrency:' || %(key)s, %(status)s, 'default', '' FROM runs",
-                    {"key": key, "status": status, "count": count},
-                )
+                params = {"key": key, "prefix": f"{key}-{status}-", "status": status, "count": count}
+                for sql, defaults in (runs, tags):
+                    conn.execute(sql, {**params, **defaults})
         # Statistics as autovacuum's ANALYZE keeps them (a table of mostly finished runs),
         # the pages not vacuumed: a tenant's recent history.
         conn.execute("ANALYZE durable_workflowrun, durable_runtag")
@@ -171,9 +175,9 @@ def key_history_latency(conninfo: str, history: int, calls: int) -> dict[str, di
             k: Jsonb([{"key": key, "limit": 2 if k[0] == "refusal" else 1_000_000, "statuses": statuses, "group": ""}])
             for k, key in keys.items()
         }
-        times: dict[str, dict[str, list[float]]] = {"refusal": {"history": [], "none": []}, "start": {"history": [], "none": []}}
+        times: dict[str, dict[str, list[float]]] = {kind: {"history": [], "none": []} for kind in ("refusal", "start")}
+        order = list(quotas.items())
         for i in range(calls + 10):  # the first 10 of each warm the backend's caches and plans
-            order = list(quotas.items())
             for (kind, past), payload in order[i % 4 :] + order[: i % 4]:  # each kind in each place in turn
                 t0 = time.perf_counter()
                 if kind == "refusal":  # one statement, which writes nothing
