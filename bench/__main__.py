@@ -92,7 +92,7 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--seconds", type=float, help="Seconds per configuration and round (full 3, quick 2).")
     a.add_argument("--rounds", type=int, help="Rounds over all configurations (full 5, quick 1).")
     a.add_argument("--procs", default="1,4", help="Process counts of (a) and (e) (default 1,4).")
-    a.add_argument("--keys", type=int, default=100, help="Keys per process, started round-robin (default 100).")
+    a.add_argument("--keys", type=int, default=100, help="Keys per process, new each round, started round-robin (default 100).")
     b = parser.add_argument_group("(b) hot key")
     b.add_argument("--starters", type=int, default=16, help="Concurrent starter processes (default 16).")
     b.add_argument("--hot-limit", type=int, default=10, help="Limit of the hot key (default 10).")

@@ -109,7 +109,7 @@ def _describe(opts: Options) -> str:
     if "a" in opts.only:
         parts.append(
             f"(a) {opts.rounds} round(s) x {opts.seconds:g} s per config, processes {','.join(map(str, opts.procs))}, "
-            f"{opts.keys} keys per process, dispatch's Celery messages to {_sanitize(opts.broker)}"
+            f"{opts.keys} new keys per process each round, dispatch's Celery messages to {_sanitize(opts.broker)}"
         )
     if "b" in opts.only:
         parts.append(f"(b) {opts.starters} starters, limit {opts.hot_limit}, {opts.hot_seconds:g} s per phase")

@@ -121,14 +121,15 @@ def _measure_a(
                 continue
             if kind in DISPATCH_KINDS:
                 broker.purge(app, opts.pool_queue)  # the warm-up's messages, the previous round's
-            message = {"cmd": "rate", "kind": kind, "seconds": opts.seconds, "nkeys": opts.keys, "size": n}
+            message = {"cmd": "rate", "kind": kind, "seconds": opts.seconds, "nkeys": opts.keys, "size": n, "round": r}
             replies = pool.call_lenient(range(n), message, timeout=opts.seconds + 300)
             if _drop_failed(kind, replies, opts, pool, required=kind in ("durable", "raw")):
                 continue
             if kind in DISPATCH_KINDS:
                 # Nothing consumes the queue: every message sent must be in it (the
                 # round ended once the publisher had published them all).
-                queued.append((sum(rep["count"] for rep in replies), broker.queue_length(app, opts.pool_queue)))
+                sent = sum(rep["count"] + rep["warmed"] for rep in replies)  # the round's keys warmed first
+                queued.append((sent, broker.queue_length(app, opts.pool_queue)))
                 broker.purge(app, opts.pool_queue)
             total = sum(rep["count"] / rep["elapsed"] for rep in replies)
             refused = sum(rep["refused"] for rep in replies)
