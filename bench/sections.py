@@ -21,13 +21,14 @@ from durable.status import DEFAULT_CONCURRENCY_STATUSES
 
 Progress = Callable[[str], None]
 
-KINDS = ("dispatch", "dispatch_unbatched", "dispatch_sync", "durable", "raw", "procrastinate", "dbos")
+KINDS = ("dispatch", "dispatch_unbatched", "dispatch_sync", "dispatch_prepared", "durable", "raw", "procrastinate", "dbos")
 #: The kinds that send a Celery message per start (counted in the queue after each round).
-DISPATCH_KINDS = ("dispatch", "dispatch_unbatched", "dispatch_sync")
+DISPATCH_KINDS = ("dispatch", "dispatch_unbatched", "dispatch_sync", "dispatch_prepared")
 LABELS = {
     "dispatch": "durable Wf.dispatch (Celery message to Redis)",
     "dispatch_unbatched": "option: Wf.dispatch, each batch at once (PUBLISH_BATCH_INTERVAL 0)",
     "dispatch_sync": "option: Wf.dispatch, message sent on the caller's thread (PUBLISH_IN_BACKGROUND off)",
+    "dispatch_prepared": "option: Wf.dispatch, prepared statements (OPTIONS server_side_binding, prepare_threshold 5)",
     "durable": "shortcut: Engine.start, no-op dispatch (runs never execute)",
     "raw": "raw psycopg transaction",
     "procrastinate": "procrastinate defer",
@@ -164,7 +165,11 @@ def _measure_a(
             value, detail = ratio("dispatch", other, n)
             if value is not None:
                 report.row("a", f"ratio dispatch/{other}, {n} proc", _report.ratio(value), detail.strip(" ()"))
-    for option, named in (("dispatch_unbatched", "each batch at once"), ("dispatch_sync", "sent on the caller's thread")):
+    for option, named in (
+        ("dispatch_unbatched", "each batch at once"),
+        ("dispatch_sync", "sent on the caller's thread"),
+        ("dispatch_prepared", "prepared statements"),
+    ):
         for n in opts.procs:
             value, detail = ratio("dispatch", option, n)
             if value is not None:
@@ -213,9 +218,12 @@ def _measure_a(
         "the caller's thread: the same with PUBLISH_IN_BACKGROUND off (execute_run.apply_async after the commit, "
         "as before the publisher). Option each batch at once: the default dispatch with PUBLISH_BATCH_INTERVAL 0 "
         "(a batch as soon as the publisher's thread gets to it: one message per pipeline at these rates). "
+        "Option prepared statements: the default dispatch on a Django connection with OPTIONS server_side_binding "
+        "and prepare_threshold 5 (the call of durable_admit prepared, as the raw transaction's statements are). "
         "Shortcut: Engine.start with a no-op dispatch, the same transaction and no message "
         "(those runs never execute); raw: the same transaction in psycopg 3 (BEGIN; SELECT lock row FOR UPDATE; "
-        "COUNT tags; INSERT run; INSERT tag; COMMIT); procrastinate: task.defer() on a SyncPsycopgConnector app; "
+        "COUNT tags; INSERT run; INSERT tag; COMMIT; psycopg's defaults: each statement prepared from its sixth "
+        "execution); procrastinate: task.defer() on a SyncPsycopgConnector app; "
         "DBOS: DBOSClient.enqueue() onto a queue (no executor running). Ratios are medians of per-round ratios, "
         "each pair measured back to back."
     )

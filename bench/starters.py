@@ -82,29 +82,49 @@ class DispatchStarter:
     time includes it.
     """
 
-    def __init__(self, background: bool = True, batch_interval: float | None = None) -> None:
+    def __init__(self, background: bool = True, batch_interval: float | None = None, prepared: bool = False) -> None:
         from bench.firststep import FirstStep
 
         self.workflow = FirstStep
         self.background = background
         self.batch_interval = batch_interval
+        self.prepared = prepared
         self._before: dict[str, Any] = {}
+        self._options: dict[str, Any] | None = None
 
     def begin(self) -> None:
-        """Publish this round's messages as ``background`` and ``batch_interval`` say, until ``end``."""
+        """Publish this round's messages as ``background`` and ``batch_interval`` say, until ``end``;
+        with ``prepared``, on a connection with Django's server-side binding and psycopg's prepared
+        statements (``OPTIONS`` ``server_side_binding``, ``prepare_threshold`` 5, psycopg's default)."""
         from django.conf import settings
+        from django.db import connection
 
         self._before = getattr(settings, "DURABLE", {})
         chosen: dict[str, Any] = {"PUBLISH_IN_BACKGROUND": self.background}
         if self.batch_interval is not None:
             chosen["PUBLISH_BATCH_INTERVAL"] = self.batch_interval
         settings.DURABLE = {**self._before, **chosen}
+        if self.prepared:
+            connection.close()
+            self._options = connection.settings_dict.get("OPTIONS") or {}
+            connection.settings_dict["OPTIONS"] = {**self._options, "server_side_binding": True, "prepare_threshold": 5}
 
     def end(self) -> None:
         """Put back what ``begin`` changed: the sections after (a) dispatch with the default."""
         from django.conf import settings
+        from django.db import connection
 
         settings.DURABLE = self._before
+        if self._options is not None:
+            try:  # the row measured what it says: the round's starts called a prepared durable_admit
+                with connection.cursor() as cursor:
+                    cursor.execute("SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE %s", ["%durable_admit(%"])
+                    (prepared,) = cursor.fetchone()
+            finally:
+                connection.close()
+                connection.settings_dict["OPTIONS"], self._options = self._options, None
+            if not prepared:
+                raise RuntimeError("the round with prepared statements did not prepare the call of durable_admit")
 
     def start(self, key: str) -> bool:
         self.workflow.dispatch({"key": key})

@@ -8,9 +8,9 @@ starts on a barrier shared by the processes taking part.
 
 Commands (``cmd``):
 
-- ``prepare``: open the starter of ``kind`` (dispatch, dispatch_sync, dispatch_unbatched, durable, raw, procrastinate, dbos;
-  ``hot`` registers the hot workflow with ``limit``; ``latency`` opens durable on
-  each of ``aliases``) and warm it up.
+- ``prepare``: open the starter of ``kind`` (dispatch, dispatch_sync, dispatch_unbatched,
+  dispatch_prepared, durable, raw, procrastinate, dbos; ``hot`` registers the hot workflow
+  with ``limit``; ``latency`` opens durable on each of ``aliases``) and warm it up.
 - ``rate``: start runs of ``kind`` round-robin over this process's ``nkeys`` keys
   for ``seconds``; reply the count, the elapsed time and the CPU time used (both
   include the wait for the background publisher's last messages, for dispatch).
@@ -401,6 +401,8 @@ class _Worker:
             return starters.DispatchStarter(background=False)
         if kind == "dispatch_unbatched":
             return starters.DispatchStarter(batch_interval=0)
+        if kind == "dispatch_prepared":
+            return starters.DispatchStarter(prepared=True)
         if kind.startswith("durable@"):
             return starters.DurableStarter(using=kind.partition("@")[2])
         if kind.startswith("roundtrip@"):
