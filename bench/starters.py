@@ -78,6 +78,7 @@ class DispatchStarter:
     default, ``PUBLISH_IN_BACKGROUND``); False sends it on the caller's thread once
     the transaction commits (``apply_async``, the path before the publisher).
     ``batch_interval``: the publisher's ``PUBLISH_BATCH_INTERVAL`` (None: the default).
+    ``prepared``: each round on a connection with prepared statements (see ``begin``).
     ``finish`` waits until every message of the round is on the broker: the round's
     time includes it.
     """
