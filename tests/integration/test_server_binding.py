@@ -42,6 +42,13 @@ def prepared() -> str:
         return "\n".join(row[0] for row in cursor.fetchall())
 
 
+def assert_prepared(*functions: str) -> None:
+    """Each of ``functions`` was called through a statement prepared on this connection."""
+    statements = prepared()
+    for function in functions:
+        assert function in statements, (function, statements)
+
+
 @pytest.fixture
 def engine(server_binding: None) -> Engine:
     registry = Registry()
@@ -78,9 +85,7 @@ def test_a_start_a_refusal_and_an_execution(engine: Engine) -> None:
     assert engine.start("limited", {"key": "k", "n": 2}, run_id="given").run_id == again.run_id  # the run there
     engine.execute(again.run_id)
     assert again.result(timeout=1) == 3
-    statements = prepared()
-    for function in ("durable_admit", "durable_take", "durable_record_step", "durable_end"):
-        assert function in statements, (function, statements)
+    assert_prepared("durable_admit", "durable_take", "durable_record_step", "durable_end")
 
 
 def test_a_queued_start_and_its_hand_off(engine: Engine) -> None:
@@ -91,9 +96,7 @@ def test_a_queued_start_and_its_hand_off(engine: Engine) -> None:
     assert engine.get_run(second.run_id).status == RunStatus.PENDING
     engine.execute(second.run_id)
     assert (first.result(timeout=1), second.result(timeout=1)) == (2, 11)
-    statements = prepared()
-    for function in ("durable_admit_queued", "durable_promote"):
-        assert function in statements, (function, statements)
+    assert_prepared("durable_admit_queued", "durable_promote")
 
 
 def test_a_step_slot_taken_waited_for_and_handed_on(engine: Engine) -> None:
@@ -105,6 +108,4 @@ def test_a_step_slot_taken_waited_for_and_handed_on(engine: Engine) -> None:
     assert [(a.outcome, a.active, a.limit) for a in taken] == [("held", 1, 1), ("waiting", 1, 1)]
     assert store.release_slot(runs[0], 0, key="slots:k", lease="lease-0") == [runs[1]]
     assert list(StepSlot.objects.values_list("run__run_id", "status")) == [(runs[1], "held")]
-    statements = prepared()
-    for function in ("durable_acquire_slot", "durable_release_slot"):
-        assert function in statements, (function, statements)
+    assert_prepared("durable_acquire_slot", "durable_release_slot")
