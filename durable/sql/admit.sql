@@ -1,7 +1,8 @@
 -- durable_admit: the whole REJECT admission of a start in one round trip (PostgreSQL).
--- Installed by migration 0025 (0004 installed the first version, 0006 the second,
--- 0011 the third, 0012 the fourth, 0017 the fifth, 0018 the sixth); a change here
--- needs a new file in durable/sql/migrations/ and a migration that runs it.
+-- Installed by migration 0026 (0004 installed the first version, 0006 the second,
+-- 0011 the third, 0012 the fourth, 0017 the fifth, 0018 the sixth, 0025 the
+-- seventh); a change here needs a new file in durable/sql/migrations/ and a
+-- migration that runs it.
 -- Every count of a key's runs reads durable_counted_tags (0025), which reads no
 -- finished run of the key unless its count_statuses name a terminal status.
 --
@@ -67,7 +68,22 @@
 -- (0017 wrote a plain key's narrower count_statuses there, and hand-offs on the
 -- pool then over-filled it).
 -- 0012 added the columns durations and oldest_age to the result, 0017 the column burst:
--- the function is dropped first.
+-- the function is dropped first. 0026 runs fewer queries for the same answers: it walks
+-- p_quotas by index and reads each quota's statuses with durable_statuses (simple
+-- expressions, where a FOR ... IN SELECT and ARRAY(SELECT ...) each ran a query),
+-- reads the locked row's limits with its lock and updates them only when they differ,
+-- checks a refusal's rows in one statement, and returns with RETURN NEXT.
+
+-- durable_statuses: a quota's "statuses" (a JSON array of run status names) as text[].
+-- A status name is a word (durable checks count_statuses against the run statuses), so
+-- the array's JSON text is an array literal once its brackets are braces. One SQL
+-- expression, inlined where it is called: PL/pgSQL evaluates it as a simple
+-- expression, without the query that ARRAY(SELECT jsonb_array_elements_text(...)) runs.
+CREATE OR REPLACE FUNCTION durable_statuses(p_statuses jsonb) RETURNS text[]
+LANGUAGE sql STABLE AS $$
+    SELECT translate(p_statuses::text, '[]', '{}')::text[]
+$$;
+
 DROP FUNCTION IF EXISTS durable_admit(jsonb, text, text, text, text, text, jsonb, text, text, boolean);
 CREATE OR REPLACE FUNCTION durable_admit(
     p_quotas jsonb,
@@ -90,10 +106,14 @@ LANGUAGE plpgsql VOLATILE
 SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     q jsonb;
+    i integer;
     v_key text;
     v_limit integer;
     v_code_limit integer;
     v_override integer;
+    v_row_limit integer;
+    v_row_statuses jsonb;
+    v_row_burst jsonb;
     v_durations jsonb;
     v_oldest_age double precision;
     v_statuses text[];
@@ -123,9 +143,10 @@ BEGIN
     v_in_transaction := jsonb_path_exists(p_quotas, '$[*] ? (@.in_transaction == true)');
     v_fresh := pg_current_xact_id_if_assigned() IS NULL;
     v_nowait := v_in_transaction AND NOT v_fresh;
-    FOR q IN SELECT value FROM jsonb_array_elements(p_quotas) LOOP
+    FOR i IN 0 .. jsonb_array_length(p_quotas) - 1 LOOP
+        q := p_quotas->i;
         v_key := q->>'key';
-        v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
+        v_statuses := durable_statuses(q->'statuses');
         IF q ? 'burst' THEN
             SELECT count(*) FILTER (WHERE t.tag = 'concurrency:' || v_key),
                    count(*) FILTER (WHERE t.tag = 'borrowed:' || v_key),
@@ -159,10 +180,11 @@ BEGIN
     END LOOP;
 
     IF NOT v_full THEN
-        FOR q IN SELECT value FROM jsonb_array_elements(p_quotas) LOOP
+        FOR i IN 0 .. jsonb_array_length(p_quotas) - 1 LOOP
+            q := p_quotas->i;
             v_key := q->>'key';
             v_code_limit := (q->>'limit')::integer;
-            v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
+            v_statuses := durable_statuses(q->'statuses');
             IF v_bursting THEN
                 -- A retry's pools, locked with the keys in key order, each with the
                 -- statuses of the burst naming it (not those of the key q).
@@ -182,16 +204,23 @@ BEGIN
                 END LOOP;
                 v_held := v_held || v_key;
             END IF;
-            SELECT l.limit_override INTO v_override FROM durable_concurrencylock l WHERE l.key = v_key FOR UPDATE;
+            SELECT l.limit_override, l."limit", l.count_statuses, l.burst
+              INTO v_override, v_row_limit, v_row_statuses, v_row_burst
+              FROM durable_concurrencylock l WHERE l.key = v_key FOR UPDATE;
             IF NOT FOUND THEN
                 INSERT INTO durable_concurrencylock (key, "limit", count_statuses, rr_cursor, burst)
                 VALUES (v_key, v_code_limit, q->'statuses', '', q->'burst') ON CONFLICT (key) DO NOTHING;
-                SELECT l.limit_override INTO v_override FROM durable_concurrencylock l WHERE l.key = v_key FOR UPDATE;
+                SELECT l.limit_override, l."limit", l.count_statuses, l.burst
+                  INTO v_override, v_row_limit, v_row_statuses, v_row_burst
+                  FROM durable_concurrencylock l WHERE l.key = v_key FOR UPDATE;
             END IF;
             v_limit := COALESCE(v_override, v_code_limit);
-            UPDATE durable_concurrencylock l SET "limit" = v_code_limit, count_statuses = q->'statuses', burst = q->'burst'
-             WHERE l.key = v_key AND (l."limit" IS DISTINCT FROM v_code_limit OR l.count_statuses <> q->'statuses'
-                                      OR l.burst IS DISTINCT FROM q->'burst');
+            -- The row is locked, so what was read is what is there: the usual start writes nothing.
+            IF v_row_limit IS DISTINCT FROM v_code_limit OR v_row_statuses <> q->'statuses'
+               OR v_row_burst IS DISTINCT FROM q->'burst' THEN
+                UPDATE durable_concurrencylock l SET "limit" = v_code_limit, count_statuses = q->'statuses', burst = q->'burst'
+                 WHERE l.key = v_key;
+            END IF;
             IF q ? 'burst' THEN
                 SELECT count(*) FILTER (WHERE t.tag = 'concurrency:' || v_key),
                        count(*) FILTER (WHERE t.tag = 'borrowed:' || v_key)
@@ -233,7 +262,7 @@ BEGIN
             v_limit := (b->>'limit')::integer;
             v_active := (b->>'active')::bigint;
             v_borrowed := (b->>'borrowed')::bigint;
-            v_statuses := ARRAY(SELECT jsonb_array_elements_text(q->'statuses'));
+            v_statuses := durable_statuses(q->'statuses');
             v_pool := q->'burst'->>'pool';
             IF NOT v_pool = ANY (v_held) THEN
                 -- Waited for only when it sorts after every lock held (and never inside a
@@ -277,8 +306,8 @@ BEGIN
         ) ON CONFLICT (run_id) DO NOTHING
         RETURNING id INTO v_pk;
         IF v_pk IS NULL THEN
-            RETURN QUERY SELECT 'exists'::text, NULL::text, NULL::integer, NULL::bigint, NULL::bigint,
-                                NULL::jsonb, NULL::double precision, NULL::jsonb;
+            outcome := 'exists';
+            RETURN NEXT;
             RETURN;
         END IF;
     END IF;
@@ -289,13 +318,9 @@ BEGIN
         -- Record the refused start's limits on its keys' rows (the quota read model
         -- and hand-offs read them): only rows whose values differ, never waiting
         -- for a row another starter holds locked.
-        FOR q IN SELECT value FROM jsonb_array_elements(p_quotas) LOOP
-            v_stale := EXISTS (
-                SELECT 1 FROM durable_concurrencylock l
-                 WHERE l.key = q->>'key'
-                   AND (l."limit" IS DISTINCT FROM (q->>'limit')::integer OR l.count_statuses <> q->'statuses'));
-            EXIT WHEN v_stale;
-        END LOOP;
+        v_stale := EXISTS (
+            SELECT 1 FROM durable_concurrencylock l JOIN jsonb_array_elements(p_quotas) AS e ON l.key = e->>'key'
+             WHERE l."limit" IS DISTINCT FROM (e->>'limit')::integer OR l.count_statuses <> e->'statuses');
         IF v_stale THEN
             UPDATE durable_concurrencylock l SET "limit" = (e->>'limit')::integer, count_statuses = e->'statuses'
               FROM jsonb_array_elements(p_quotas) AS e
@@ -314,7 +339,14 @@ BEGIN
               INTO v_durations, v_oldest_age
               FROM durable_counted_tags(ARRAY['concurrency:' || v_estimate], v_statuses, p_count_namespace) AS t;
         END IF;
-        RETURN QUERY SELECT 'full'::text, v_key, v_limit, v_active, NULL::bigint, v_durations, v_oldest_age, v_burst;
+        outcome := 'full';
+        full_key := v_key;
+        full_limit := v_limit;
+        active := v_active;
+        durations := v_durations;
+        oldest_age := v_oldest_age;
+        burst := v_burst;
+        RETURN NEXT;
         RETURN;
     END IF;
     INSERT INTO durable_runtag (run_id, tag, status, namespace, group_key)
@@ -333,8 +365,10 @@ BEGIN
             'borrowed', ARRAY(SELECT DISTINCT e.value->'q'->'burst'->>'pool' FROM jsonb_array_elements(v_borrows) AS e ORDER BY 1),
             'keys', ARRAY(SELECT e.value->'q'->>'key' FROM jsonb_array_elements(v_borrows) AS e ORDER BY 1));
     END IF;
-    RETURN QUERY SELECT 'created'::text, NULL::text, NULL::integer, NULL::bigint, v_pk, NULL::jsonb,
-                        NULL::double precision, v_burst;
+    outcome := 'created';
+    run_pk := v_pk;
+    burst := v_burst;
+    RETURN NEXT;
 END;
 $$;
 

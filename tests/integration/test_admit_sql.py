@@ -20,12 +20,13 @@ import durable
 from durable import Concurrency, ConcurrencyLimitError, Engine, InMemoryStore
 from durable.concurrency import resolve
 from durable.runtime import Registry
+from durable.status import DEFAULT_CONCURRENCY_STATUSES, RunStatus
 from durable.stores.base import RunExists, RunRecord, estimate
 
 SQL = Path(durable.__file__).resolve().parent / "sql"
 #: Each current copy in durable/sql/ and the functions its file defines.
 FUNCTIONS = {
-    "admit": ["durable_admit", "durable_burst_refusal", "durable_lock_pool"],
+    "admit": ["durable_admit", "durable_burst_refusal", "durable_lock_pool", "durable_statuses"],
     "counting": ["durable_counted_tags"],
     "lifecycle": ["durable_take", "durable_claim", "durable_record_step", "durable_finish", "durable_end"],
     "queue": ["durable_admit_queued", "durable_promote"],
@@ -100,6 +101,7 @@ def _admit_body(name: str) -> str:
     [
         ("0018_burst_admit", "0017_burst", "0018_admit", "0017_admit"),
         ("0025_counted_tags", "0024_tag_slot_index", "0025_admit", "0018_admit"),
+        ("0026_admit_simple_expressions", "0025_counted_tags", "0026_admit", "0025_admit"),
     ],
 )
 def test_a_migration_installs_its_durable_admit_and_its_reverse_the_previous_one(
@@ -114,6 +116,27 @@ def test_a_migration_installs_its_durable_admit_and_its_reverse_the_previous_one
     finally:
         call_command("migrate", "durable", verbosity=0)
     assert installed_admit() == _admit_body(newest_migration_sql().stem)
+
+
+def test_every_run_status_is_a_word_so_durable_statuses_may_read_the_json_text_as_an_array() -> None:
+    # durable_statuses turns ["a", "b"] into {"a", "b"}: exact only for names without quotes, commas or backslashes.
+    assert all(re.fullmatch(r"[a-z]+", status) for status in RunStatus.values)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "statuses",
+    [list(DEFAULT_CONCURRENCY_STATUSES), ["running"], list(RunStatus.values), [], ["completed", "pending"]],
+)
+def test_durable_statuses_is_the_arrays_elements_in_order(statuses: list[str]) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT durable_statuses(%s::jsonb), ARRAY(SELECT jsonb_array_elements_text(%s::jsonb))::text[]",
+            [json.dumps(statuses), json.dumps(statuses)],
+        )
+        converted, elements = cursor.fetchone()
+    assert converted == elements == statuses
 
 
 #: A call of durable_admit: the quotas, the run id, and whether that id was given.
