@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
@@ -179,11 +181,16 @@ class Admission(orm.ORMStore):
         bursting = [(entry, q.burst) for entry, q in zip(payload, ordered, strict=True) if q.burst is not None]
         for entry, burst in bursting:
             entry.update(burst={"pool": burst.pool, "up_to": burst.up_to}, pool_limit=burst.pool_limit)
+        hint = (count_namespace, ordered[0].key) if len(ordered) == 1 and not bursting else None
+        if hint is not None and not connection.in_atomic_block and hint not in _refused_keys:
+            payload[0]["lock_first"] = True
         if bursting and connection.in_atomic_block:
             row = self._admit_in_transaction(connection, payload, record, count_namespace, run_id_given, ordered)
         else:
             row = self._admit_in_key_order(connection, payload, record, count_namespace, run_id_given, ordered)
         outcome, key, limit, active, _, durations, oldest_age, burst_detail = row[:8]
+        if hint is not None:
+            _refused_keys.note(hint, refused=outcome == "full")
         seconds = conf.retry_after_seconds(estimate(orm.decoded(durations), oldest_age))
         burst_detail = orm.decoded(burst_detail)
         if outcome == "full":  # the function recorded the refused limits already
@@ -413,6 +420,39 @@ class Admission(orm.ORMStore):
         )
         self._create_tags(run, tags)
 
+
+class _RefusedKeys:
+    """The keys (with the namespace counted in) whose last start in this process was
+    refused by ``durable_admit``, the ``size`` newest: a guess, never a decision.
+
+    A start of one key without a burst, outside the caller's transaction, asks
+    ``durable_admit`` to take the key's row first (``lock_first``: if no one holds
+    it) and count once, under the lock, unless the key is here: then it counts
+    first, as every start did before 0026, so that starts into a full hot key take
+    no lock. A wrong guess costs only time: a start into a full key that took the
+    lock is refused all the same (its transaction, the call's own, then writes
+    the lock), and a start into a key with room that counted first counts twice."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._keys: OrderedDict[tuple[str | None, str], None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __contains__(self, key: tuple[str | None, str]) -> bool:
+        return key in self._keys
+
+    def note(self, key: tuple[str | None, str], *, refused: bool) -> None:
+        with self._lock:
+            if not refused:
+                self._keys.pop(key, None)
+                return
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+            if len(self._keys) > self.size:
+                self._keys.popitem(last=False)
+
+
+_refused_keys = _RefusedKeys()
 
 #: PostgreSQL's SQLSTATE of a NOWAIT lock that is busy (durable_admit's pool lock out of key order).
 _LOCK_NOT_AVAILABLE = "55P03"

@@ -14,7 +14,8 @@ from typing import Any
 import psycopg
 import pytest
 from django.core.management import call_command
-from django.db import connection
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
 
 import durable
 from durable import Concurrency, ConcurrencyLimitError, Engine, InMemoryStore
@@ -101,7 +102,7 @@ def _admit_body(name: str) -> str:
     [
         ("0018_burst_admit", "0017_burst", "0018_admit", "0017_admit"),
         ("0025_counted_tags", "0024_tag_slot_index", "0025_admit", "0018_admit"),
-        ("0026_admit_simple_expressions", "0025_counted_tags", "0026_admit", "0025_admit"),
+        ("0026_admit_fewer_queries", "0025_counted_tags", "0026_admit", "0025_admit"),
     ],
 )
 def test_a_migration_installs_its_durable_admit_and_its_reverse_the_previous_one(
@@ -165,10 +166,13 @@ def _generic(engine: Engine, run_id: str, quota: Concurrency) -> str:
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("store", ["django", "memory"])
-def test_each_outcome_of_the_function_is_the_generic_paths(store: str) -> None:
+@pytest.mark.parametrize("lock_first", [False, True])
+def test_each_outcome_of_the_function_is_the_generic_paths(store: str, lock_first: bool) -> None:
     engine = Engine(InMemoryStore() if store == "memory" else None, dispatch=lambda e, r: None, registry=Registry())
     key = f"sql:{uuid.uuid4().hex}"
-    payload = [{"key": key, "limit": 1, "statuses": ["pending", "running"], "group": ""}]
+    payload: list[dict[str, Any]] = [{"key": key, "limit": 1, "statuses": ["pending", "running"], "group": ""}]
+    if lock_first:  # the key's row taken first (its row is created by the first call) and counted once
+        payload[0]["lock_first"] = True
     # The ORM path on a key of its own (the same database for the django store).
     quota = Concurrency(key=f"{key}:orm", limit=1, count_statuses=("pending", "running"))
     # created: the key has room
@@ -325,3 +329,90 @@ def test_a_start_refused_after_waiting_for_the_keys_lock_answers_the_estimate() 
         thread.join(timeout=10)
     [answer] = answers
     assert answer[:5] == ("full", first, 2, 2, None) and _json(answer[5]) == [30] and 15.0 <= answer[6] <= 16.0, answer
+
+
+def _lock_first(key: str, limit: int) -> str:
+    return json.dumps([{"key": key, "limit": limit, "statuses": ["pending", "running"], "group": "", "lock_first": True}])
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_lock_first_start_waits_for_a_held_row_and_counts_what_committed_meanwhile() -> None:
+    # The row is held: the start counts first (room: the holder has not committed),
+    # waits for the lock, and counts again under it, seeing the holder's run.
+    key = f"sql:{uuid.uuid4().hex}"
+    quotas = _lock_first(key, 1)
+    params = connection.get_connection_params()
+    answers: list[tuple[Any, ...]] = []
+    with psycopg.connect(**params) as holder, psycopg.connect(**params, autocommit=True) as waiter:
+        assert holder.execute(ADMIT, [quotas, f"{key}:1", False]).fetchone()[0] == "created"  # holds the key's row
+        thread = threading.Thread(target=lambda: answers.append(waiter.execute(ADMIT, [quotas, f"{key}:2", False]).fetchone()))
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not _waits_for_a_lock(waiter.info.backend_pid):
+            assert time.monotonic() < deadline, "the start never waited for the key's lock"
+            time.sleep(0.01)
+        holder.commit()
+        thread.join(timeout=10)
+    [answer] = answers
+    assert answer[:5] == ("full", key, 1, 1, None), answer
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_lock_first_start_into_a_full_key_whose_row_is_held_is_refused_without_waiting() -> None:
+    key = f"sql:{uuid.uuid4().hex}"
+    quotas = _lock_first(key, 1)
+    assert _call(f"{key}:1", json.loads(quotas), given=False)[0] == "created"
+    params = connection.get_connection_params()
+    with psycopg.connect(**params) as holder, psycopg.connect(**params, autocommit=True) as starter:
+        holder.execute("SELECT 1 FROM durable_concurrencylock WHERE key = %s FOR UPDATE", [key])
+        starter.execute("SET lock_timeout = '100ms'")  # a wait for the row would raise lock_not_available
+        assert starter.execute(ADMIT, [quotas, f"{key}:2", False]).fetchone()[:4] == ("full", key, 1, 1)
+        holder.rollback()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_lock_first_refusal_that_took_the_row_releases_it_with_its_call() -> None:
+    key = f"sql:{uuid.uuid4().hex}"
+    quotas = _lock_first(key, 1)
+    assert _call(f"{key}:1", json.loads(quotas), given=False)[0] == "created"
+    params = connection.get_connection_params()
+    with psycopg.connect(**params, autocommit=True) as starter, psycopg.connect(**params) as other:
+        assert starter.execute(ADMIT, [quotas, f"{key}:2", False]).fetchone()[:4] == ("full", key, 1, 1)
+        row = other.execute("SELECT key FROM durable_concurrencylock WHERE key = %s FOR UPDATE NOWAIT", [key]).fetchone()
+        assert row == (key,)
+        other.rollback()
+
+
+def _flags_sent(queries: CaptureQueriesContext) -> list[bool]:
+    """For each call of durable_admit captured, whether it asked to take the key's row first."""
+    return ['"lock_first": true' in q["sql"] for q in queries.captured_queries if "durable_admit(" in q["sql"]]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_start_takes_its_keys_row_first_unless_its_last_start_in_this_process_was_refused() -> None:
+    engine = Engine(dispatch=lambda e, r: None, registry=Registry())
+    key = f"sql:{uuid.uuid4().hex}"
+    engine.register("w", "1", lambda ctx, input: None, Concurrency(key=lambda input: key, limit=1))
+    two_keys = [Concurrency(key=lambda input: key, limit=5), Concurrency(key=lambda input: f"{key}:b", limit=5)]
+    engine.register("w2", "1", lambda ctx, input: None, two_keys)
+    outcomes = []
+    with CaptureQueriesContext(connection) as queries:
+        for _ in range(3):  # admitted; refused; refused
+            try:
+                outcomes.append(engine.start("w", {}).run_id)
+            except ConcurrencyLimitError:
+                outcomes.append("refused")
+        engine.cancel(outcomes[0])
+        handle = engine.start("w", {})  # room again: admitted after counting first
+        with pytest.raises(ConcurrencyLimitError):
+            engine.start("w", {})  # its row taken first again: the last start was admitted
+        with transaction.atomic(), pytest.raises(ConcurrencyLimitError):
+            engine.start("w", {})  # inside the caller's transaction: never
+        engine.cancel(handle.run_id)
+        engine.start("w2", {})  # two keys: never
+    assert outcomes[1:] == ["refused", "refused"]
+    assert _flags_sent(queries) == [True, True, False, False, True, False, False]

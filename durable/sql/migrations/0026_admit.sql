@@ -7,7 +7,7 @@
 -- finished run of the key unless its count_statuses name a terminal status.
 --
 -- p_quotas: [{"key", "limit", "statuses": [...], "group", "burst"?, "pool_limit"?,
--- "lock_pool"?, "in_transaction"?}], sorted by key; "limit" is the code's limit: an operator's
+-- "lock_pool"?, "in_transaction"?, "lock_first"?}], sorted by key; "limit" is the code's limit: an operator's
 -- override on the key's row (limit_override) replaces it, read in the statement
 -- that counts (step 1) and again under the row's lock (step 2), so a change
 -- committed before a start applies to it.
@@ -24,7 +24,13 @@
 -- pool's when the pool refused).
 --
 -- 1. Refuse at once, without waiting for any lock, when a key is already full:
---    the committed count says so, and nothing is created.
+--    the committed count says so, and nothing is created. A start of one key
+--    without a burst with "lock_first" (0026; the caller's guess that the key has
+--    room: its last start there was not refused) takes the key's row first if no
+--    one holds it (SKIP LOCKED: never waiting) and counts only under the lock, in
+--    step 2; a row held by another starter (or not created yet) is counted first,
+--    as without the flag. A refusal that took the row ends with the call's
+--    transaction, which holds the lock until then.
 -- 2. Otherwise lock each key's row in key order, creating a missing row first
 --    (a row that does not exist locks nothing; INSERT ... ON CONFLICT DO NOTHING
 --    waits for a concurrent insert of the same key), and count again: this
@@ -72,7 +78,8 @@
 -- p_quotas by index and reads each quota's statuses with durable_statuses (simple
 -- expressions, where a FOR ... IN SELECT and ARRAY(SELECT ...) each ran a query),
 -- reads the locked row's limits with its lock and updates them only when they differ,
--- checks a refusal's rows in one statement, and returns with RETURN NEXT.
+-- checks a refusal's rows in one statement, returns with RETURN NEXT, and with
+-- "lock_first" an admitted start counts once, under the lock (step 1).
 
 -- durable_statuses: a quota's "statuses" (a JSON array of run status names) as text[].
 -- A status name is a word (durable checks count_statuses against the run statuses), so
@@ -136,6 +143,7 @@ DECLARE
     v_fresh boolean;
     v_nowait boolean;
     v_wait boolean;
+    v_locked boolean := false;
     b jsonb;
 BEGIN
     v_bursting := jsonb_path_exists(p_quotas, '$[*].burst');
@@ -147,6 +155,14 @@ BEGIN
         q := p_quotas->i;
         v_key := q->>'key';
         v_statuses := durable_statuses(q->'statuses');
+        IF q ? 'lock_first' AND jsonb_array_length(p_quotas) = 1 AND NOT q ? 'burst' THEN
+            -- Its row when no one holds it (never waiting): counted under the lock in step 2.
+            SELECT l.limit_override, l."limit", l.count_statuses, l.burst
+              INTO v_override, v_row_limit, v_row_statuses, v_row_burst
+              FROM durable_concurrencylock l WHERE l.key = v_key FOR UPDATE SKIP LOCKED;
+            v_locked := FOUND;
+            CONTINUE WHEN v_locked;
+        END IF;
         IF q ? 'burst' THEN
             SELECT count(*) FILTER (WHERE t.tag = 'concurrency:' || v_key),
                    count(*) FILTER (WHERE t.tag = 'borrowed:' || v_key),
@@ -204,10 +220,12 @@ BEGIN
                 END LOOP;
                 v_held := v_held || v_key;
             END IF;
-            SELECT l.limit_override, l."limit", l.count_statuses, l.burst
-              INTO v_override, v_row_limit, v_row_statuses, v_row_burst
-              FROM durable_concurrencylock l WHERE l.key = v_key FOR UPDATE;
-            IF NOT FOUND THEN
+            IF NOT v_locked THEN
+                SELECT l.limit_override, l."limit", l.count_statuses, l.burst
+                  INTO v_override, v_row_limit, v_row_statuses, v_row_burst
+                  FROM durable_concurrencylock l WHERE l.key = v_key FOR UPDATE;
+            END IF;
+            IF NOT v_locked AND NOT FOUND THEN
                 INSERT INTO durable_concurrencylock (key, "limit", count_statuses, rr_cursor, burst)
                 VALUES (v_key, v_code_limit, q->'statuses', '', q->'burst') ON CONFLICT (key) DO NOTHING;
                 SELECT l.limit_override, l."limit", l.count_statuses, l.burst
