@@ -22,6 +22,7 @@ from durable import Concurrency, ConcurrencyLimitError, Engine, InMemoryStore
 from durable.concurrency import resolve
 from durable.runtime import Registry
 from durable.status import DEFAULT_CONCURRENCY_STATUSES, RunStatus
+from durable.stores.admitting import _RefusedKeys
 from durable.stores.base import RunExists, RunRecord, estimate
 
 SQL = Path(durable.__file__).resolve().parent / "sql"
@@ -416,3 +417,16 @@ def test_a_start_takes_its_keys_row_first_unless_its_last_start_in_this_process_
         engine.start("w2", {})  # two keys: never
     assert outcomes[1:] == ["refused", "refused"]
     assert _flags_sent(queries) == [True, True, False, False, True, False, False]
+
+
+def test_the_refused_keys_kept_are_the_newest_and_an_admission_forgets_its_key() -> None:
+    keys = _RefusedKeys(size=2)
+    for key in ("a", "b"):
+        keys.note((None, key), refused=True)
+    keys.note((None, "a"), refused=True)  # refused again: the newest now
+    keys.note((None, "c"), refused=True)  # one too many: the oldest ("b") goes
+    assert [(None, "a") in keys, (None, "b") in keys, (None, "c") in keys] == [True, False, True]
+    assert ("tenant", "a") not in keys  # a key counted in another namespace is another key
+    keys.note((None, "a"), refused=False)
+    keys.note((None, "b"), refused=False)  # not kept: nothing to forget
+    assert [(None, "a") in keys, (None, "c") in keys] == [False, True]
