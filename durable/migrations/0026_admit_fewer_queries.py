@@ -3,8 +3,7 @@
 quota's statuses with the new ``durable_statuses`` (simple expressions, where a
 ``FOR ... IN SELECT`` and an ``ARRAY(SELECT ...)`` each ran a query inside the
 function), reads a locked key row's limits with its lock and updates them only
-when they differ, checks a refusal's rows in one statement, and returns with
-``RETURN NEXT``. A start of one key asked to (``"lock_first"``, which
+when they differ, and returns with ``RETURN NEXT``. A start of one key asked to (``"lock_first"``, which
 ``DjangoStore.admit`` sends unless the key's last start in the process was
 refused) takes the key's row first when no one holds it, and counts once, under
 the lock. Its signature and results are unchanged (docs/explanation/quotas.md).

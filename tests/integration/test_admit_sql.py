@@ -430,3 +430,45 @@ def test_the_refused_keys_kept_are_the_newest_and_an_admission_forgets_its_key()
     keys.note((None, "a"), refused=False)
     keys.note((None, "b"), refused=False)  # not kept: nothing to forget
     assert [(None, "a") in keys, (None, "c") in keys] == [False, True]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_no_statement_of_durable_admit_scans_the_table_of_keys() -> None:
+    # The plans of each statement the function runs, as auto_explain reports them, with
+    # 2,000 keys' rows analyzed: a join with the quotas was planned as a scan of them all.
+    prefix = f"sql:{uuid.uuid4().hex}"
+    with connection.cursor() as cursor:
+        cursor.execute(
+            'INSERT INTO durable_concurrencylock (key, "limit", count_statuses, rr_cursor) '
+            "SELECT %s || g, 5, '[\"pending\"]', '' FROM generate_series(1, 2000) AS g",
+            [f"{prefix}:many:"],
+        )
+        cursor.execute("ANALYZE durable_concurrencylock")
+    key = f"{prefix}:hot"
+    plain = [{"key": key, "limit": 1, "statuses": ["pending", "running"], "group": ""}]
+    first = [dict(plain[0], lock_first=True)]
+    changed = [dict(plain[0], limit=2)]
+    plans: list[str] = []
+    with psycopg.connect(**connection.get_connection_params(), autocommit=True) as conn:
+        conn.add_notice_handler(lambda diagnostic: plans.append(diagnostic.message_primary or ""))
+        for setting in (
+            "LOAD 'auto_explain'",
+            "SET auto_explain.log_min_duration = 0",
+            "SET auto_explain.log_nested_statements = on",
+            "SET auto_explain.log_level = notice",
+        ):
+            conn.execute(setting)
+        calls = [
+            (first, f"{key}:1", False),  # admitted, its row created
+            (first, f"{key}:2", False),  # refused under the lock it took
+            (plain, f"{key}:3", False),  # refused by the count first
+            (plain, f"{key}:4", True),  # a given run id refused: the probe
+            (changed, f"{key}:5", False),  # admitted with a new limit: the row updated
+            (plain, f"{key}:6", False),  # refused with the old limit: the rows recorded again
+        ]
+        answers = [conn.execute(ADMIT, [json.dumps(q), run_id, given]).fetchone()[0] for q, run_id, given in calls]
+    assert answers == ["created", "full", "full", "full", "created", "full"]
+    read = "\n".join(plans)
+    assert "durable_concurrencylock" in read  # the plans were read
+    assert "Seq Scan on durable_concurrencylock" not in read, read

@@ -78,7 +78,7 @@
 -- p_quotas by index and reads each quota's statuses with durable_statuses (simple
 -- expressions, where a FOR ... IN SELECT and ARRAY(SELECT ...) each ran a query),
 -- reads the locked row's limits with its lock and updates them only when they differ,
--- checks a refusal's rows in one statement, returns with RETURN NEXT, and with
+-- returns with RETURN NEXT, and with
 -- "lock_first" an admitted start counts once, under the lock (step 1).
 
 -- durable_statuses: a quota's "statuses" (a JSON array of run status names) as text[].
@@ -336,17 +336,26 @@ BEGIN
         -- Record the refused start's limits on its keys' rows (the quota read model
         -- and hand-offs read them): only rows whose values differ, never waiting
         -- for a row another starter holds locked.
-        v_stale := EXISTS (
-            SELECT 1 FROM durable_concurrencylock l JOIN jsonb_array_elements(p_quotas) AS e ON l.key = e->>'key'
-             WHERE l."limit" IS DISTINCT FROM (e->>'limit')::integer OR l.count_statuses <> e->'statuses');
+        -- One row at a time, by its key (0026): a join with the quotas was planned (generic
+        -- plan) as a scan of every key's row, 1.5 ms a refusal with 20,000 keys (measured).
+        FOR i IN 0 .. jsonb_array_length(p_quotas) - 1 LOOP
+            q := p_quotas->i;
+            v_stale := EXISTS (
+                SELECT 1 FROM durable_concurrencylock l
+                 WHERE l.key = q->>'key'
+                   AND (l."limit" IS DISTINCT FROM (q->>'limit')::integer OR l.count_statuses <> q->'statuses'));
+            EXIT WHEN v_stale;
+        END LOOP;
         IF v_stale THEN
-            UPDATE durable_concurrencylock l SET "limit" = (e->>'limit')::integer, count_statuses = e->'statuses'
-              FROM jsonb_array_elements(p_quotas) AS e
-             WHERE l.key = e->>'key' AND l.key IN (
-                   SELECT k.key FROM durable_concurrencylock k JOIN jsonb_array_elements(p_quotas) AS p
-                       ON k.key = p->>'key'
-                    WHERE k."limit" IS DISTINCT FROM (p->>'limit')::integer OR k.count_statuses <> p->'statuses'
-                      FOR UPDATE OF k SKIP LOCKED);
+            FOR i IN 0 .. jsonb_array_length(p_quotas) - 1 LOOP
+                q := p_quotas->i;
+                UPDATE durable_concurrencylock l SET "limit" = (q->>'limit')::integer, count_statuses = q->'statuses'
+                 WHERE l.key = (
+                       SELECT k.key FROM durable_concurrencylock k
+                        WHERE k.key = q->>'key'
+                          AND (k."limit" IS DISTINCT FROM (q->>'limit')::integer OR k.count_statuses <> q->'statuses')
+                          FOR UPDATE SKIP LOCKED);
+            END LOOP;
         END IF;
         -- The estimate of Retry-After, on the full key, or on the pool that refused
         -- (its in-flight runs are few: at most its limit).
