@@ -366,6 +366,13 @@ def _report_e(
             f"{handoffs:,} hand-offs; finish + promote p50 {_report.ms(_report.percentile(promote, 50))}, "
             f"p99 {_report.ms(_report.percentile(promote, 99))}; queued runs left {left} (must be 0)",
         )
+        calls = {name: sorted(us for d in drains for us in d["calls_us"][name]) for name in ("durable_end", "durable_promote")}
+        report.row(
+            "e",
+            "  p50 durable_end / durable_promote, as the caller waits for each",
+            " / ".join(_report.ms(_report.percentile(us, 50)) for us in calls.values()),
+            f"{len(calls['durable_end']):,} / {len(calls['durable_promote']):,} calls; the rest of a finish is the client's",
+        )
         rejected = _report.median(reject[procs[0]])
         report.row(
             "e",

@@ -274,6 +274,7 @@ class _Worker:
         commit (at once: autocommit), the promote of its keys. ``elapsed`` sums
         those timed parts.
         """
+        from django.db import connection
         from django.utils import timezone
 
         from durable import Engine
@@ -288,6 +289,17 @@ class _Worker:
         in_flight = list(runs.filter(status=RunStatus.PENDING).values_list("run_id", flat=True))
         handoffs = completed = 0
         promote_us: list[int] = []
+        calls_us: dict[str, list[int]] = {"durable_end": [], "durable_promote": []}
+
+        def timed(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return execute(sql, params, many, context)
+            finally:
+                for name, times in calls_us.items():
+                    if sql.startswith(f"SELECT {name}("):
+                        times.append(int((time.perf_counter() - t) * 1e6))
+
         elapsed = 0.0
         while in_flight:
             next_round: list[str] = []
@@ -297,7 +309,8 @@ class _Worker:
                     continue
                 del sent[:]
                 t = time.perf_counter()
-                engine.executor.finish(claimed[0], "drain", RunStatus.COMPLETED)
+                with connection.execute_wrapper(timed):
+                    engine.executor.finish(claimed[0], "drain", RunStatus.COMPLETED)
                 took = time.perf_counter() - t
                 elapsed += took
                 promote_us.append(int(took * 1e6))
@@ -306,7 +319,14 @@ class _Worker:
                 next_round.extend(sent)
             in_flight = next_round
         left = runs.filter(status=RunStatus.QUEUED).count()
-        return {"handoffs": handoffs, "completed": completed, "elapsed": elapsed, "promote_us": promote_us, "queued_left": left}
+        return {
+            "handoffs": handoffs,
+            "completed": completed,
+            "elapsed": elapsed,
+            "promote_us": promote_us,
+            "calls_us": calls_us,
+            "queued_left": left,
+        }
 
     def first_step(self, samples: int, warm: int, timeout: float, busy: float = 0.0) -> Reply:
         """Dispatch to first step vs apply_async to a bare task's body, interleaved, one at a time;

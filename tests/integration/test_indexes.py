@@ -3,8 +3,10 @@
 A heartbeat, a journal write and a re-send update a run's row in place (a HOT update):
 they change no column that an index of the run table names, so no index gets a new
 entry. A running run is beaten every HEARTBEAT_INTERVAL and journals every step, so
-these are the run table's most frequent updates. And no index repeats the start of
-another on the same table: each costs every insert and every update of its columns."""
+these are the run table's most frequent updates. No index repeats the start of
+another on the same table: each costs every insert and every update of its columns.
+And no statement of a run's way reads every row of a table that grows with the keys
+and the runs."""
 
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from durable import Concurrency, Engine
+from durable import Concurrency, Engine, RunStatus, Strategy
 from durable.runtime import Registry
-from durable.stores.base import StepEntry
+from durable.stores.base import RunRecord, StepEntry
+from tests.queries import GROWING_TABLES, explained, table_scans
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db]
 
@@ -100,3 +103,36 @@ def test_no_index_is_the_start_of_another_of_its_table() -> None:
         if table == other_table and not unique and len(columns) < len(other) and other[: len(columns)] == columns
     }
     assert redundant == set()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_no_statement_of_a_runs_way_reads_a_whole_growing_table(engine: Engine) -> None:
+    # With 1,500 keys, runs and tags analyzed, the plans auto_explain reports for every
+    # statement (those inside durable's SQL functions too) of queued starts, claims,
+    # journal reads and writes, finishes and hand-offs. More than five calls of each,
+    # so that PostgreSQL's generic plans, chosen after five, are read as well.
+    for n in range(1500):
+        engine.start("w", {"key": f"many:{n}"})
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE " + ", ".join(GROWING_TABLES))
+    sent: list[RunRecord] = []
+    registry = Registry()
+    registry.register(
+        "q",
+        "1",
+        lambda ctx, input: ctx.step("one", lambda: input["n"]),
+        Concurrency(key=lambda input: "queued", limit=1, strategy=Strategy.GROUP_ROUND_ROBIN),
+    )
+    queued = Engine(dispatch=lambda engine, run: sent.append(run), registry=registry)
+    connection.ensure_connection()
+    with explained(connection.connection) as plans:
+        handles = [queued.start("q", {"n": n}) for n in range(8)]
+        assert [h.status for h in handles] == [RunStatus.PENDING] + [RunStatus.QUEUED] * 7
+        while sent:  # each finish hands the key to the next queued run, sent here
+            queued.execute(sent.pop(0).run_id)
+    assert [queued.get_run(h.run_id).status for h in handles] == [RunStatus.COMPLETED] * 8
+    read = "\n".join(plans)
+    for function in ("durable_admit_queued", "durable_promote", "durable_take", "durable_record_step", "durable_end"):
+        assert function in read  # the plans of each function's statements were read
+    scans = table_scans(plans)
+    assert not scans, scans
