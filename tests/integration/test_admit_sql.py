@@ -86,39 +86,41 @@ def test_installed_functions_are_the_newest_versioned_file(name: str) -> None:
             assert parameter in installed, (function, parameter)
 
 
-def installed_admit() -> str:
+def installed_body(function: str) -> str:
     with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_get_functiondef('durable_admit'::regproc)")
+        cursor.execute("SELECT pg_get_functiondef(%s::regproc)", [function])
         return normalise(cursor.fetchone()[0]).split("$function$")[1]
 
 
-def _admit_body(name: str) -> str:
-    """The body of ``durable_admit`` in the versioned file ``name``."""
-    return definitions((SQL / "migrations" / f"{name}.sql").read_text())["durable_admit"].split("$$")[1]
+def _body(name: str, function: str) -> str:
+    """The body of ``function`` in the versioned file ``name``."""
+    return definitions((SQL / "migrations" / f"{name}.sql").read_text())[function].split("$$")[1]
 
 
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize(
-    ("migration", "before", "released", "reinstalled"),
+    ("migration", "before", "released", "reinstalled", "function"),
     [
-        ("0018_burst_admit", "0017_burst", "0018_admit", "0017_admit"),
-        ("0025_counted_tags", "0024_tag_slot_index", "0025_admit", "0018_admit"),
-        ("0026_admit_fewer_queries", "0025_counted_tags", "0026_admit", "0025_admit"),
+        ("0018_burst_admit", "0017_burst", "0018_admit", "0017_admit", "durable_admit"),
+        ("0025_counted_tags", "0024_tag_slot_index", "0025_admit", "0018_admit", "durable_admit"),
+        ("0026_admit_fewer_queries", "0025_counted_tags", "0026_admit", "0025_admit", "durable_admit"),
+        ("0027_end_locks_by_key", "0026_admit_fewer_queries", "0027_lifecycle", "0022_lifecycle", "durable_end"),
     ],
 )
-def test_a_migration_installs_its_durable_admit_and_its_reverse_the_previous_one(
-    migration: str, before: str, released: str, reinstalled: str
+def test_a_migration_installs_its_function_and_its_reverse_the_previous_one(
+    migration: str, before: str, released: str, reinstalled: str, function: str
 ) -> None:
-    assert _admit_body(released) != _admit_body(reinstalled)
+    assert _body(released, function) != _body(reinstalled, function)
     try:
         call_command("migrate", "durable", before, verbosity=0)
-        assert installed_admit() == _admit_body(reinstalled)
+        assert installed_body(function) == _body(reinstalled, function)
         call_command("migrate", "durable", migration, verbosity=0)
-        assert installed_admit() == _admit_body(released)
+        assert installed_body(function) == _body(released, function)
     finally:
         call_command("migrate", "durable", verbosity=0)
-    assert installed_admit() == _admit_body(newest_migration_sql().stem)
+    newest = newest_migration_sql(next(name for name, functions in FUNCTIONS.items() if function in functions))
+    assert installed_body(function) == _body(newest.stem, function)
 
 
 def test_every_run_status_is_a_word_so_durable_statuses_may_read_the_json_text_as_an_array() -> None:
