@@ -53,7 +53,7 @@ def section_f(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
     measured: list[tuple[str, bool, list[float], list[float]]] = []
     #: Per configuration, how long the sender's call took (dispatch, apply_async).
     calls: list[tuple[list[float], list[float]]] = []
-    #: Per configuration, how long after the dispatch call returned its message was on the broker.
+    #: Per configuration, how long after the dispatch call returned the publisher had the broker's reply to its batch.
     hops: list[list[float]] = []
     # (pool, worker database setting, its query string, seconds the sender computes after each call)
     configurations = [(pool_kind, name, query, 0.0) for pool_kind in POOLS for name, query, _ in WORKER_DATABASES]
@@ -107,8 +107,8 @@ def _report_f(
             "f",
             f"dispatch -> first step p50 / p99, {label}",
             f"{p(dispatch, 50)} / {p(dispatch, 99)}",
-            f"the dispatch call itself p50 {p(dispatch_call, 50)}; its message on the broker p50 {p(hop, 50)} after "
-            "the call returned",
+            f"the dispatch call itself p50 {p(dispatch_call, 50)}; the publisher read the broker's reply to its "
+            f"batch p50 {p(hop, 50)} after the call returned",
         )
         report.row(
             "f",

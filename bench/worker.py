@@ -330,8 +330,9 @@ class _Worker:
 
     def first_step(self, samples: int, warm: int, timeout: float, busy: float = 0.0) -> Reply:
         """Dispatch to first step vs apply_async to a bare task's body, interleaved, one at a time;
-        also how long after each dispatch returned its message was on the broker. ``busy``: seconds
-        this thread computes (holding the GIL) right after each call, before it waits for the body."""
+        also how long after each dispatch returned the publisher had the broker's reply to its batch.
+        ``busy``: seconds this thread computes (holding the GIL) right after each call, before it
+        waits for the body."""
         from bench.firststep import PROBE_TABLE
         from durable.conf import settings as durable_settings
 
@@ -443,8 +444,9 @@ class _Worker:
 
 @contextlib.contextmanager
 def _published_at() -> Iterator[dict[str, float]]:
-    """While the block runs, the time.time() at which the background publisher had each
-    run's message on the broker (its batch's pipeline answered), by run id."""
+    """While the block runs, the time.time() at which the background publisher had the broker's
+    reply to each run's batch (its pipeline answered), by run id: an upper bound of when the
+    message reached the broker, since the thread needs the GIL to read the reply."""
     from durable.tasks import publishing
 
     published: dict[str, float] = {}
