@@ -9,10 +9,17 @@ prefork) and database setting (Django's default settings, Django's pool), then
 two extra rows without a target: threads with ``KEEP_WORKER_CONNECTION`` off, and
 threads with the pool while the sender keeps computing after each call (as a view
 renders its response after starting a run: the background publisher's thread
-waits for the GIL meanwhile).
+waits for the GIL meanwhile). Rows without a worker then show when a dispatch's
+message reaches the queue, as a listener in another process sees it, with the
+sender waiting or computing after each call (``HOP_BUSY``).
 """
 
 from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
 
 import psycopg
 
@@ -36,6 +43,8 @@ TARGET = 1.2
 #: many seconds after each call, the dispatch's and the bare task's alike.
 BUSY_SECONDS = 0.002
 BUSY_SUFFIX = f", the sender computing {BUSY_SECONDS * 1e3:g} ms after each call"
+#: Seconds the sender computes after each call in the publisher hop rows (0: it waits).
+HOP_BUSY = (0.0, 0.002, 0.010, 0.030)
 
 
 def section_f(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch, progress: Progress) -> None:
@@ -60,6 +69,8 @@ def section_f(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
     configurations.append((POOLS[0], DJANGO_CONNECTION[0], DJANGO_CONNECTION[1], 0.0))
     configurations.append((POOLS[0], WORKER_DATABASES[1][0], WORKER_DATABASES[1][1], BUSY_SECONDS))
     try:
+        progress(f"(f) the publisher's hop: {opts.first_steps} dispatches per row to a queue a listener reads")
+        arrivals = _publish_hops(pool, opts, app)
         for pool_kind, name, query, busy in configurations:
             label = f"{pool_kind}, {name}{BUSY_SUFFIX if busy else ''}"
             extra = bool(busy) or name == DJANGO_CONNECTION[0]
@@ -90,6 +101,56 @@ def section_f(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
         finally:
             app.close()
     _report_f(report, opts, measured, calls, hops)
+    for busy, hop in arrivals.items():
+        sender = f"the sender computing {busy * 1e3:g} ms after each call" if busy else "the sender waiting after each call"
+        report.row(
+            "f",
+            f"dispatch's message in the queue after the call returned p50 / p90, {sender}",
+            f"{_report.ms(_report.percentile(hop, 50))} / {_report.ms(_report.percentile(hop, 90))}",
+            f"{len(hop)} dispatches, one at a time; a listener's BLPOP stamps each message's arrival",
+        )
+
+
+def _publish_hops(pool: WorkerPool, opts: Options, app: Any) -> dict[float, list[float]]:
+    """Per ``HOP_BUSY``: how long after each dispatch call returned its message was in a Redis
+    queue no worker consumes (microseconds, sorted), stamped by a thread of this process in
+    ``BLPOP`` on it: benchmark process 0 sends, so this process's GIL is not the sender's."""
+    queue = f"{opts.pool_queue}-hop"
+    arrived: dict[str, float] = {}
+    failed: list[BaseException] = []
+    stop = threading.Event()
+
+    def listen() -> None:
+        try:
+            with app.connection_for_write() as conn:
+                client = conn.default_channel.client
+                while not stop.is_set():
+                    got = client.blpop([queue], timeout=1)
+                    if got is not None:
+                        at = time.time()
+                        arrived[json.loads(got[1])["headers"]["id"]] = at
+        except BaseException as exc:  # told by the section, not lost in the thread
+            failed.append(exc)
+
+    listener = threading.Thread(target=listen, name="durable-bench-hop-listener", daemon=True)
+    listener.start()
+    try:
+        message = {"cmd": "publishhop", "queue": queue, "samples": opts.first_steps, "warm": WARM, "busy": HOP_BUSY}
+        per_sample = 0.05 + max(HOP_BUSY)
+        [reply] = pool.call([0], message, timeout=TIMEOUT + per_sample * len(HOP_BUSY) * (opts.first_steps + WARM))
+        sent = {float(busy): rows for busy, rows in reply["returned"].items()}
+        deadline = time.monotonic() + TIMEOUT
+        while any(task not in arrived for rows in sent.values() for task, _ in rows):
+            if failed:
+                raise WorkerError(f"(f) the listener on {queue} failed: {failed[0]!r}") from failed[0]
+            if time.monotonic() > deadline:
+                raise WorkerError(f"(f) messages sent to {queue} did not reach the listener within {TIMEOUT:g} s")
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        listener.join(5)
+        broker.delete_queue(app, queue)
+    return {busy: sorted((arrived[task] - at) * 1e6 for task, at in rows) for busy, rows in sent.items()}
 
 
 def _report_f(
@@ -148,7 +209,9 @@ def _report_f(
         "background publisher on commit) returns about when apply_async, which sends on the caller's thread, "
         "returns (both in the note of each row); the message then reaches the broker from the publisher's thread "
         "(its wake-up, kombu's publish and the Redis pipeline, sharing the GIL with the caller: the hop in the note "
-        "of each dispatch row), while the bare task's message left inside its call; in the worker "
+        "of each dispatch row is when the publisher read the broker's reply, an upper bound; the rows 'dispatch's "
+        "message in the queue' stamp the arrival from another process), while the bare task's message left inside "
+        "its call; in the worker "
         "the claim is one round trip (one committed write, as the baseline's INSERT), and the first step runs "
         "without another read (the claim proved the lease). Celery's Django fix-up (celery.fixups.django, Celery "
         "5.7) closes Django's connections before and after every task, and in a prefork child also Django's "

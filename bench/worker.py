@@ -35,6 +35,10 @@ Commands (``cmd``):
   the call to the body's start (``time.time()`` in both processes), and from the
   call to its return; with ``busy``, the process computes that many seconds after
   each call (as a view renders its response) before it waits for the body.
+- ``publishhop``: for each of ``busy`` (seconds), ``warm`` + ``samples``
+  ``FirstStep.dispatch`` calls to ``queue``, one at a time, the process computing
+  that long after each call; reply each sample's task id and the time its call
+  returned (the benchmark's listener on ``queue`` stamps each message's arrival).
 - ``drain``: finish the runs in flight on ``keys`` one by one (each claimed first,
   untimed), each finish handing its freed slot to the next queued run
   (``Executor.released``'s promote) until none is left; reply the hand-offs made,
@@ -138,6 +142,9 @@ class _Worker:
             return self.first_step(
                 int(message["samples"]), int(message["warm"]), float(message["timeout"]), float(message.get("busy", 0.0))
             )
+        if cmd == "publishhop":
+            busy = [float(seconds) for seconds in message["busy"]]
+            return self.publish_hop(str(message["queue"]), int(message["samples"]), int(message["warm"]), busy)
         raise ValueError(f"unknown command {cmd!r}")
 
     def prepare(self, message: dict[str, Any]) -> Reply:
@@ -398,6 +405,40 @@ class _Worker:
                     if kind == "dispatch" and token in published:
                         hops.append(int((published[token] - returned) * 1e6))
         return hops
+
+    def publish_hop(self, queue: str, samples: int, warm: int, busy: list[float]) -> Reply:
+        """For each of ``busy``: ``warm`` + ``samples`` ``FirstStep.dispatch`` calls, one at a time,
+        their messages to ``queue`` (no worker consumes it: the benchmark's listener stamps each
+        one's arrival); this thread computes that many seconds (holding the GIL) right after each
+        call, then waits for the publisher and for a quiet spell longer than
+        ``PUBLISH_BATCH_INTERVAL``, so every message goes at once. Reply, per ``busy``, each sample's
+        task id and the time.time() its call returned."""
+        from django.conf import settings
+
+        from bench.firststep import FirstStep
+        from durable import conf
+        from durable.tasks import publisher, task_id
+
+        before = getattr(settings, "DURABLE", {})
+        settings.DURABLE = {**before, "TASK_QUEUE": queue}
+        returned: dict[str, list[tuple[str, float]]] = {}
+        try:
+            quiet = conf.publish_batch_interval() + 0.003
+            for seconds in busy:
+                rows = returned[repr(seconds)] = []
+                for i in range(warm + samples):
+                    run_id = FirstStep.dispatch({"key": f"hop-k{i % 10}"}).run_id
+                    at = time.time()
+                    while time.time() - at < seconds:
+                        pass  # as a view rendering its response: Python code, holding the GIL
+                    if not publisher.flush(30):
+                        raise TimeoutError(f"(f) the publisher did not publish run {run_id} within 30 s")
+                    time.sleep(quiet)
+                    if i >= warm:
+                        rows.append((task_id(run_id, 0), at))
+        finally:
+            settings.DURABLE = before
+        return {"returned": returned}
 
     # -- helpers -------------------------------------------------------------
     def _own(self, message: dict[str, Any]) -> list[str]:

@@ -208,6 +208,13 @@ def test_dispatch_to_first_step_section_runs_workers_and_prints_latencies_agains
         hop = r"the publisher read the broker's reply to its batch p50 -?[\d.]+ ms after the call returned$"
         assert re.search(hop, found.string)
         assert row(lines, "f", f"bare task -> its write committed p50 / p99, {label}", r"[\d.]+ ms / [\d.]+ ms")
+    # When the message reached the queue, stamped by a listener in the benchmark's own process.
+    senders = ["the sender waiting after each call"] + [f"the sender computing {ms} ms after each call" for ms in (2, 10, 30)]
+    for sender in senders:
+        label = f"dispatch's message in the queue after the call returned p50 / p90, {sender}"
+        found = row(lines, "f", label, r"-?[\d.]+ ms / -?[\d.]+ ms")
+        assert found
+        assert re.search(r"3 dispatches, one at a time; a listener's BLPOP stamps each message's arrival$", found.string)
     lines_f = [line for line in targets(lines) if "(f)" in line]
     assert [line.split("(f) ")[1].split(" <=")[0] for line in lines_f] == [
         f"dispatch -> first step p50 / bare task p50, {label}" for label in configurations
