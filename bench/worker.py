@@ -419,6 +419,8 @@ class _Worker:
         from durable import conf
         from durable.tasks import publisher, task_id
 
+        if not conf.settings.PUBLISH_IN_BACKGROUND:
+            raise RuntimeError("(f) measures the background publisher: PUBLISH_IN_BACKGROUND is off in this process")
         before = getattr(settings, "DURABLE", {})
         settings.DURABLE = {**before, "TASK_QUEUE": queue}
         returned: dict[str, list[tuple[str, float]]] = {}
