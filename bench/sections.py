@@ -21,13 +21,24 @@ from durable.status import DEFAULT_CONCURRENCY_STATUSES
 
 Progress = Callable[[str], None]
 
-KINDS = ("dispatch", "dispatch_unbatched", "dispatch_sync", "dispatch_prepared", "durable", "raw", "procrastinate", "dbos")
+KINDS = (
+    "dispatch",
+    "dispatch_unbatched",
+    "dispatch_sync",
+    "dispatch_kombu",
+    "dispatch_prepared",
+    "durable",
+    "raw",
+    "procrastinate",
+    "dbos",
+)
 #: The kinds that send a Celery message per start (counted in the queue after each round).
-DISPATCH_KINDS = ("dispatch", "dispatch_unbatched", "dispatch_sync", "dispatch_prepared")
+DISPATCH_KINDS = ("dispatch", "dispatch_unbatched", "dispatch_sync", "dispatch_kombu", "dispatch_prepared")
 LABELS = {
     "dispatch": "durable Wf.dispatch (Celery message to Redis)",
     "dispatch_unbatched": "option: Wf.dispatch, each batch at once (PUBLISH_BATCH_INTERVAL 0)",
     "dispatch_sync": "option: Wf.dispatch, message sent on the caller's thread (PUBLISH_IN_BACKGROUND off)",
+    "dispatch_kombu": "option: Wf.dispatch, each message built by kombu (no templates)",
     "dispatch_prepared": "option: Wf.dispatch, prepared statements (OPTIONS server_side_binding, prepare_threshold 5)",
     "durable": "shortcut: Engine.start, no-op dispatch (runs never execute)",
     "raw": "raw psycopg transaction",
@@ -168,6 +179,7 @@ def _measure_a(
     for option, named in (
         ("dispatch_unbatched", "each batch at once"),
         ("dispatch_sync", "sent on the caller's thread"),
+        ("dispatch_kombu", "each message built by kombu"),
         ("dispatch_prepared", "prepared statements"),
     ):
         for n in opts.procs:
@@ -218,6 +230,8 @@ def _measure_a(
         "the caller's thread: the same with PUBLISH_IN_BACKGROUND off (execute_run.apply_async after the commit, "
         "as before the publisher). Option each batch at once: the default dispatch with PUBLISH_BATCH_INTERVAL 0 "
         "(a batch as soon as the publisher's thread gets to it: one message per pipeline at these rates). "
+        "Option each message built by kombu: the default dispatch with the publisher's templates put aside "
+        "(durable.tasks.publishing.TEMPLATES off): Celery and kombu build every message, as before them. "
         "Option prepared statements: the default dispatch on a Django connection with OPTIONS server_side_binding "
         "and prepare_threshold 5 (the call of durable_admit prepared, as the raw transaction's statements are). "
         "Shortcut: Engine.start with a no-op dispatch, the same transaction and no message "

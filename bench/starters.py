@@ -78,33 +78,40 @@ class DispatchStarter:
     default, ``PUBLISH_IN_BACKGROUND``); False sends it on the caller's thread once
     the transaction commits (``apply_async``, the path before the publisher).
     ``batch_interval``: the publisher's ``PUBLISH_BATCH_INTERVAL`` (None: the default).
+    ``templates``: False puts the publisher's templates aside (``publishing.TEMPLATES``).
     ``prepared``: each round on a connection with prepared statements (see ``begin``).
     ``finish`` waits until every message of the round is on the broker: the round's
     time includes it.
     """
 
-    def __init__(self, background: bool = True, batch_interval: float | None = None, prepared: bool = False) -> None:
+    def __init__(
+        self, background: bool = True, batch_interval: float | None = None, prepared: bool = False, templates: bool = True
+    ) -> None:
         from bench.firststep import FirstStep
 
         self.workflow = FirstStep
         self.background = background
         self.batch_interval = batch_interval
+        self.templates = templates
         self.prepared = prepared
         self._before: dict[str, Any] = {}
         self._options: dict[str, Any] | None = None
 
     def begin(self) -> None:
-        """Publish this round's messages as ``background`` and ``batch_interval`` say, until ``end``;
+        """Publish this round's messages as ``background``, ``batch_interval`` and ``templates`` say, until ``end``;
         with ``prepared``, on a connection with Django's server-side binding and psycopg's prepared
         statements (``OPTIONS`` ``server_side_binding``, ``prepare_threshold`` 5, psycopg's default)."""
         from django.conf import settings
         from django.db import connection
+
+        from durable.tasks import publishing
 
         self._before = getattr(settings, "DURABLE", {})
         chosen: dict[str, Any] = {"PUBLISH_IN_BACKGROUND": self.background}
         if self.batch_interval is not None:
             chosen["PUBLISH_BATCH_INTERVAL"] = self.batch_interval
         settings.DURABLE = {**self._before, **chosen}
+        publishing.TEMPLATES = self.templates
         if self.prepared:
             connection.close()
             self._options = connection.settings_dict.get("OPTIONS") or {}
@@ -115,7 +122,10 @@ class DispatchStarter:
         from django.conf import settings
         from django.db import connection
 
+        from durable.tasks import publishing
+
         settings.DURABLE = self._before
+        publishing.TEMPLATES = True
         if self._options is not None:
             try:  # the row measured what it says: the round's starts called a prepared durable_admit
                 with connection.cursor() as cursor:

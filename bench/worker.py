@@ -9,7 +9,7 @@ starts on a barrier shared by the processes taking part.
 Commands (``cmd``):
 
 - ``prepare``: open the starter of ``kind`` (dispatch, dispatch_sync, dispatch_unbatched,
-  dispatch_prepared, durable, raw, procrastinate, dbos; ``hot`` registers the hot workflow
+  dispatch_kombu, dispatch_prepared, durable, raw, procrastinate, dbos; ``hot`` registers the hot workflow
   with ``limit``; ``latency`` opens durable on each of ``aliases``) and warm it up.
 - ``rate``: start runs of ``kind`` round-robin over this process's ``nkeys`` keys
   for ``seconds``; reply the count, the elapsed time and the CPU time used (both
@@ -465,6 +465,8 @@ class _Worker:
             return starters.DispatchStarter(background=False)
         if kind == "dispatch_unbatched":
             return starters.DispatchStarter(batch_interval=0)
+        if kind == "dispatch_kombu":
+            return starters.DispatchStarter(templates=False)
         if kind == "dispatch_prepared":
             return starters.DispatchStarter(prepared=True)
         if kind.startswith("durable@"):

@@ -170,17 +170,21 @@ def test_start_rate_section_dispatches_to_redis_and_prints_the_shortcut_apart() 
     unbatched = "option: Wf.dispatch, each batch at once (PUBLISH_BATCH_INTERVAL 0), 1 proc"
     assert row(lines, "a", unbatched, r"[\d,]+ /s")
     assert row(lines, "a", "ratio dispatch/option each batch at once, 1 proc", r"\d+\.\d\dx")
+    kombus = "option: Wf.dispatch, each message built by kombu (no templates), 1 proc"
+    assert row(lines, "a", kombus, r"[\d,]+ /s")
+    assert row(lines, "a", "ratio dispatch/option each message built by kombu, 1 proc", r"\d+\.\d\dx")
     prepared = "option: Wf.dispatch, prepared statements (OPTIONS server_side_binding, prepare_threshold 5), 1 proc"
     assert row(lines, "a", prepared, r"[\d,]+ /s")
     assert row(lines, "a", "ratio dispatch/option prepared statements, 1 proc", r"\d+\.\d\dx")
     # Every message sent reached the broker's queue (nothing consumed it) by the end of its
-    # round, in the four rounds (the background publisher's with and without its batch
-    # interval, and on a connection with prepared statements, and the caller's thread's); then removed.
+    # round, in the five rounds (the background publisher's with and without its batch
+    # interval, without its templates, and on a connection with prepared statements, and the
+    # caller's thread's); then removed.
     [note] = [line for line in lines if "messages in the Redis queue" in line]
     found = re.search(r"queue (?P<queue>\S+) after each round [^:]*: (?P<rounds>.*)$", note)
     assert found is not None, note
     rounds = re.findall(r"(\d+(?:,\d{3})*) of (\d+(?:,\d{3})*)", found["rounds"])
-    assert len(rounds) == 4, note
+    assert len(rounds) == 5, note
     assert all(length == sent and int(sent.replace(",", "")) > 0 for length, sent in rounds), note
     assert redis.Redis.from_url(broker).llen(found["queue"]) == 0
     raw, procrastinate = targets(lines)

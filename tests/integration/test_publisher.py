@@ -10,6 +10,7 @@ outbox: what the publisher cannot publish is logged, and the sweeper sends it
 from __future__ import annotations
 
 import contextvars
+import json
 import os
 import subprocess
 import sys
@@ -20,8 +21,11 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import kombu.messaging
 import pytest
-from celery import signals
+import redis
+from celery import Celery, signals
+from kombu import Queue as KombuQueue
 
 from durable import DjangoStore, Engine, conf, engine, models, tasks
 from durable.tasks import CeleryDispatcher, publishing
@@ -136,6 +140,188 @@ def test_a_message_that_cannot_be_published_is_logged_and_the_run_stays_pending(
     assert _drain(queue) == []
 
 
+def _texts(keys: list[str]) -> dict[str, list[str]]:
+    """The text of every message waiting in each Redis list of ``keys`` (as a worker would
+    take them: oldest first), and the lists emptied."""
+    client = redis.Redis.from_url(str(celery_app.conf.broker_url))
+    try:
+        texts = {key: [raw.decode() for raw in reversed(client.lrange(key, 0, -1))] for key in keys}
+        client.delete(*keys)
+    finally:
+        client.close()
+    return texts
+
+
+def _templates(session: Any, key: str) -> list[Any]:
+    """The templates of ``session`` that write to the Redis list ``key`` (learned or checked)."""
+    return [t for t in session.templates.values() if t is not None and t.key == key]
+
+
+def _untagged(text: str) -> str:
+    """A message's text with its delivery tag (a fresh uuid for each message) blanked."""
+    return text.replace(json.loads(text)["properties"]["delivery_tag"], "<tag>")
+
+
+def _messages(app: Any, count: int, queue: str | None = None, parent: str | None = None) -> list[Any]:
+    run_ids = [uuid.uuid4().hex for _ in range(count)]
+    root = "root-task" if parent else None
+    return [publishing._Message(app, r, f"{r}:2", queue, root, parent, None) for r in run_ids]
+
+
+def _templated_and_kombus(
+    app: Any, messages: list[Any], keys: list[str], monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """``messages`` published from templates, then the same ones built by kombu and Celery
+    (the templates put aside): the texts each wrote in ``keys``."""
+    publishing._publish(app, messages)
+    templated = _texts(keys)
+    with monkeypatch.context() as patched:
+        patched.setattr(publishing._Session, "template", lambda self, destination: None)
+        publishing._publish(app, messages)
+    return templated, _texts(keys)
+
+
+def test_messages_written_from_a_template_are_the_text_kombu_writes(queue: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first message of a destination goes through kombu and gives the template, the
+    second (through kombu too) checks it, the next ones are rendered: byte for byte what
+    kombu and Celery write for them, delivery tag aside (a fresh one each)."""
+    e = _engine()
+    learners = [e.start("test.add", add_input(f"l{n}")).run_id for n in range(2)]
+    assert tasks.publisher.flush(timeout=10)
+    session = publishing._sessions[celery_app]
+    assert [t.verified for t in _templates(session, queue)] == [True]
+    assert [json.loads(t)["headers"]["id"] for t in _texts([queue])[queue]] == [tasks.task_id(r, 0) for r in learners]
+
+    # Three starts, and a run started from inside a worker's task (its root and parent ids).
+    messages = _messages(celery_app, 3, queue) + _messages(celery_app, 1, queue, parent="parent-task")
+    templated, kombus = _templated_and_kombus(celery_app, messages, [queue], monkeypatch)
+    assert [json.loads(t)["headers"]["id"] for t in templated[queue]] == [m.task_id for m in messages]
+    assert [_untagged(t) for t in templated[queue]] == [_untagged(t) for t in kombus[queue]]
+    tags = {json.loads(t)["properties"]["delivery_tag"] for t in templated[queue]}
+    assert len(tags) == len(messages)  # each its own delivery tag (kombu's Redis QoS acks by it)
+    last = json.loads(templated[queue][-1])["headers"]
+    assert (last["root_id"], last["parent_id"]) == ("root-task", "parent-task")
+
+
+def test_templates_follow_the_route_of_each_message(queue: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router that routes by the run id (to one queue or another, with a priority or not)
+    and a global key prefix: each message goes where kombu would have put it, as its text."""
+    app = Celery("durable-templates", broker=str(celery_app.conf.broker_url), set_as_current=False)
+    names = {"low": f"{queue}-low", "high": f"{queue}-high"}
+
+    def route(name: str, args: tuple[Any, ...], kwargs: Any, options: Any, task: Any = None, **kw: Any) -> dict[str, Any]:
+        if name != tasks.EXECUTE_TASK:
+            return {}
+        high = int(args[0][-1], 16) % 2 == 1
+        return {"queue": names["high"], "priority": 6} if high else {"queue": names["low"]}
+
+    app.conf.task_routes = (route,)
+    app.conf.broker_transport_options = {"global_keyprefix": "durable-test:"}
+    app.finalize()
+    try:
+        high = "\x06\x16" + "6"  # kombu's Redis key of a priority-6 message: the queue, a separator, the step
+        keys = [f"durable-test:{names['low']}", f"durable-test:{names['high']}{high}"]
+        learners = _messages(app, 24)
+        publishing._publish(app, learners[:12])
+        publishing._publish(app, learners[12:])  # each destination learned and checked its template
+        _texts(keys)
+        session = publishing._sessions[app]
+        assert sorted(t.key for t in session.templates.values() if t is not None and t.verified) == sorted(
+            [names["low"], names["high"] + high]
+        )
+        messages = _messages(app, 20)
+        templated, kombus = _templated_and_kombus(app, messages, keys, monkeypatch)
+        for key in keys:
+            assert templated[key] and [_untagged(t) for t in templated[key]] == [_untagged(t) for t in kombus[key]]
+        routed = {json.loads(t)["headers"]["argsrepr"]: key for key in keys for t in templated[key]}
+        for m in messages:
+            assert routed[repr((m.run_id,))] == keys[int(m.run_id[-1], 16) % 2]
+    finally:
+        session = publishing._sessions.pop(app, None)
+        if session is not None:
+            session.close()
+
+
+def test_a_destination_whose_message_is_more_than_one_command_is_never_templated(
+    queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queue with an expiry (kombu adds a PEXPIRE to each message's LPUSH) is published
+    through kombu, message by message, as before."""
+    app = Celery("durable-templates-expiry", broker=str(celery_app.conf.broker_url), set_as_current=False)
+    app.conf.task_queues = [KombuQueue(queue, expires=60)]
+    app.conf.task_default_queue = queue
+    app.finalize()
+    built: list[str] = []
+    publish = kombu.messaging.Producer.publish
+
+    def counted(self: Any, body: Any, **kwargs: Any) -> Any:
+        built.append(kwargs["headers"]["id"])
+        return publish(self, body, **kwargs)
+
+    monkeypatch.setattr(kombu.messaging.Producer, "publish", counted)
+    try:
+        messages = _messages(app, 5)
+        publishing._publish(app, messages[:2])
+        publishing._publish(app, messages[2:])
+        assert built == [m.task_id for m in messages]  # every one through kombu
+        assert set(publishing._sessions[app].templates.values()) == {None}
+        assert [json.loads(t)["headers"]["id"] for t in _texts([queue])[queue]] == [m.task_id for m in messages]
+    finally:
+        session = publishing._sessions.pop(app, None)
+        if session is not None:
+            session.close()
+
+
+def test_a_template_that_does_not_render_the_next_message_as_kombu_wrote_it_is_given_up(
+    queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever kombu writes that a template would render otherwise (here: every rendering is
+    made wrong), the destination's messages go on through kombu, all of them, as kombu writes them."""
+    render = publishing._Template.render
+    monkeypatch.setattr(publishing._Template, "render", lambda *args: render(*args).replace('"lang"', '"language"'))
+    e = _engine()
+    run_ids = [e.start("test.add", add_input(f"g{n}")).run_id for n in range(5)]
+    assert tasks.publisher.flush(timeout=10)
+    session = publishing._sessions[celery_app]
+    # Given up: the destination (its routing key is the queue's name) holds no template.
+    assert [template for destination, template in session.templates.items() if queue in destination] == [None]
+    texts = _texts([queue])[queue]
+    assert [json.loads(t)["headers"]["id"] for t in texts] == [tasks.task_id(r, 0) for r in run_ids]
+    assert all('"lang": "py"' in t for t in texts)
+
+
+def test_compressed_messages_are_never_templated(queue: str) -> None:
+    app = Celery("durable-templates-gzip", broker=str(celery_app.conf.broker_url), set_as_current=False)
+    app.conf.task_compression = "gzip"
+    app.finalize()
+    try:
+        messages = _messages(app, 4, queue)
+        publishing._publish(app, messages[:2])
+        publishing._publish(app, messages[2:])
+        assert publishing._sessions[app].templates == {}
+        headers = [json.loads(t)["headers"] for t in _texts([queue])[queue]]
+        assert [h["id"] for h in headers] == [m.task_id for m in messages]
+        assert {h["compression"] for h in headers} == {"application/x-gzip"}
+    finally:
+        session = publishing._sessions.pop(app, None)
+        if session is not None:
+            session.close()
+
+
+def test_a_run_id_found_elsewhere_in_its_message_gives_no_template(queue: str) -> None:
+    """A run id that is also part of something else in its message (here "json", in the
+    content type "application/json") cannot be cut out: the next message is tried instead."""
+    e = _engine()
+    odd = e.start("test.add", add_input("o"), run_id="json").run_id
+    assert tasks.publisher.flush(timeout=10)
+    session = publishing._sessions[celery_app]
+    assert _templates(session, queue) == []
+    learners = [e.start("test.add", add_input(f"l{n}")).run_id for n in range(2)]
+    assert tasks.publisher.flush(timeout=10)
+    assert [t.verified for t in _templates(session, queue)] == [True]
+    assert _ids(_drain(queue)) == sorted(tasks.task_id(r, 0) for r in [odd, *learners])
+
+
 def test_the_session_is_kept_between_batches_and_set_up_again_after_a_failure(
     queue: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -150,11 +336,11 @@ def test_the_session_is_kept_between_batches_and_set_up_again_after_a_failure(
     failures: list[str] = []
     flush = publishing._Session.flush
 
-    def fails_once(self: Any) -> None:
+    def fails_once(self: Any, written: dict[str, list[str]]) -> None:
         if not failures:
             failures.append("the connection broke")
             raise ConnectionError("the connection broke")
-        flush(self)
+        flush(self, written)
 
     monkeypatch.setattr(publishing._Session, "flush", fails_once)
     third = e.start("test.add", add_input("s3")).run_id
