@@ -106,6 +106,7 @@ def _body(name: str, function: str) -> str:
         ("0025_counted_tags", "0024_tag_slot_index", "0025_admit", "0018_admit", "durable_admit"),
         ("0026_admit_fewer_queries", "0025_counted_tags", "0026_admit", "0025_admit", "durable_admit"),
         ("0027_end_locks_by_key", "0026_admit_fewer_queries", "0027_lifecycle", "0022_lifecycle", "durable_end"),
+        ("0028_admit_refusal_one_query", "0027_end_locks_by_key", "0028_admit", "0026_admit", "durable_admit"),
     ],
 )
 def test_a_migration_installs_its_function_and_its_reverse_the_previous_one(
@@ -260,6 +261,25 @@ def test_a_refusal_answers_the_rows_durations_and_the_age_of_the_oldest_in_fligh
     assert estimate(_json(outcome[5]), outcome[6]) == pytest.approx(25.0, abs=1.0)  # median 40 minus 15 in flight
     # At a limit of 0 nothing is measured: no estimate.
     assert _call(f"{key}:3", [{**payload[0], "limit": 0}], given=False)[:7] == ("full", key, 0, 1, None, None, None)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("stale", [False, True])
+def test_a_refusal_by_the_first_count_is_one_query(stale: bool) -> None:
+    # The count that refuses a start of one key also reads what the refusal answers and
+    # records (0028): the function runs one query for it (and the UPDATE of the key's row
+    # when the limit changed), where it ran three (four).
+    key = f"sql:{uuid.uuid4().hex}"
+    payload = [{"key": key, "limit": 1, "statuses": ["pending", "running"], "group": ""}]
+    assert _call(f"{key}:1", payload, given=False)[0] == "created"
+    refused = [{**payload[0], "limit": 0 if stale else 1}]
+    with psycopg.connect(**connection.get_connection_params(), autocommit=True) as conn, explained(conn) as plans:
+        answer = conn.execute(ADMIT, [json.dumps(refused), f"{key}:2", False]).fetchone()
+    inner = [plan for plan in plans if "durable_admit(" not in plan]
+    assert answer[:4] == ("full", key, refused[0]["limit"], 1)
+    assert len(inner) == (2 if stale else 1), inner  # stale: and the UPDATE of the key's row
+    assert _limit_of(key) == refused[0]["limit"]
 
 
 def _limit_of(key: str) -> int:
