@@ -370,10 +370,13 @@ BEGIN
         -- The estimate of Retry-After, on the full key, or on the pool that refused
         -- (its in-flight runs are few: at most its limit).
         v_estimate := CASE WHEN v_burst->>'source' = 'pool' THEN v_burst->>'pool' ELSE v_key END;
-        IF v_counted AND v_limit <= 0 THEN
-            v_durations := NULL;  -- as below: at a limit of 0 no run frees a slot, nothing to estimate
+        -- Read with the count of step 1 when it refused (0028); else (a refusal under a lock)
+        -- read here. At a limit of 0 no run frees a slot: nothing to estimate.
+        IF NOT v_counted OR v_limit <= 0 THEN
+            v_durations := NULL;  -- what step 1 read of a key it did not refuse is not the answer
             v_oldest_age := NULL;
-        ELSIF NOT v_counted AND (v_limit > 0 OR v_burst IS NOT NULL) THEN
+        END IF;
+        IF NOT v_counted AND (v_limit > 0 OR v_burst IS NOT NULL) THEN
             SELECT (SELECT l.recent_durations FROM durable_concurrencylock l WHERE l.key = v_estimate),
                    extract(epoch FROM now() - min(t.created_at))
               INTO v_durations, v_oldest_age

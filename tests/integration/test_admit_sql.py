@@ -355,6 +355,34 @@ def test_a_start_refused_after_waiting_for_the_keys_lock_answers_the_estimate() 
     assert answer[:5] == ("full", first, 2, 2, None) and _json(answer[5]) == [30] and 15.0 <= answer[6] <= 16.0, answer
 
 
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_start_refused_under_the_lock_at_a_limit_of_0_answers_no_estimate() -> None:
+    # Step 1 counts the key with room (and reads its row: durations [30]); meanwhile an
+    # operator sets its override to 0; step 2 reads it under the lock and refuses: at a
+    # limit of 0 there is nothing to estimate, whatever step 1 read.
+    key = f"sql:{uuid.uuid4().hex}"
+    quotas = json.dumps([{"key": key, "limit": 2, "statuses": ["pending", "running"], "group": ""}])
+    assert _call(f"{key}:1", json.loads(quotas), given=False)[0] == "created"
+    with connection.cursor() as cursor:
+        cursor.execute("UPDATE durable_concurrencylock SET recent_durations = '[30]'::jsonb WHERE key = %s", [key])
+    params = connection.get_connection_params()
+    answers: list[tuple[Any, ...]] = []
+    with psycopg.connect(**params) as holder, psycopg.connect(**params, autocommit=True) as waiter:
+        holder.execute("SELECT 1 FROM durable_concurrencylock WHERE key = %s FOR UPDATE", [key])
+        thread = threading.Thread(target=lambda: answers.append(waiter.execute(ADMIT, [quotas, f"{key}:2", False]).fetchone()))
+        thread.start()
+        deadline = time.monotonic() + 10
+        while not _waits_for_a_lock(waiter.info.backend_pid):
+            assert time.monotonic() < deadline, "the start never waited for the key's lock"
+            time.sleep(0.01)
+        holder.execute("UPDATE durable_concurrencylock SET limit_override = 0 WHERE key = %s", [key])
+        holder.commit()
+        thread.join(timeout=10)
+    [answer] = answers
+    assert answer[:7] == ("full", key, 0, 1, None, None, None), answer
+
+
 def _lock_first(key: str, limit: int) -> str:
     return json.dumps([{"key": key, "limit": limit, "statuses": ["pending", "running"], "group": "", "lock_first": True}])
 
