@@ -191,9 +191,9 @@ class Admission(orm.ORMStore):
         outcome, key, limit, active, _, durations, oldest_age, burst_detail = row[:8]
         if hint is not None:
             _refused_keys.note(hint, refused=outcome == "full")
-        seconds = conf.retry_after_seconds(estimate(orm.decoded(durations), oldest_age))
         burst_detail = orm.decoded(burst_detail)
         if outcome == "full":  # the function recorded the refused limits already
+            seconds = conf.retry_after_seconds(estimate(orm.decoded(durations), oldest_age))
             raise exceptions.ConcurrencyLimitError(
                 workflow=record.workflow, key=key, limit=limit, active=active, retry_after=seconds, **(burst_detail or {})
             )
@@ -339,7 +339,6 @@ class Admission(orm.ORMStore):
             row = cursor.fetchone()
         outcome, status, key, limit, active, queued, max_queued, reason, holder, durations, oldest_age = row[:11]
         run_error, finished_at, cancelled = row[11:]
-        seconds = conf.retry_after_seconds(estimate(orm.decoded(durations), oldest_age))
         if outcome == "created":
             record.status = status
             if status == RunStatus.CANCELLED:
@@ -349,6 +348,7 @@ class Admission(orm.ORMStore):
             return True
         if outcome == "exists":
             raise RunExists(record.run_id)
+        seconds = conf.retry_after_seconds(estimate(orm.decoded(durations), oldest_age))
         if outcome == "queue_full":
             raise exceptions.ConcurrencyQueueFullError(
                 workflow=record.workflow,
