@@ -412,6 +412,15 @@ class _Session:
         #: By destination: the template of its messages (``_Template``), or None once given up.
         self.templates: dict[tuple[Any, ...], _Template | None] = {}
         self.tries: dict[tuple[Any, ...], int] = {}
+        self.source: tuple[Any, ...] = ()
+
+    def made_from(self, *source: Any) -> None:
+        """Forget the templates when what Celery's part of a message is made from changed
+        (``app_conf``, read again: the app's configuration, the thread asking first)."""
+        if source != self.source:
+            self.templates.clear()
+            self.tries.clear()
+            self.source = source
 
     def serves(self, app: Celery) -> bool:
         return app is self.app and app.producer_pool is self.pool
@@ -437,6 +446,8 @@ class _Session:
         candidate = self.templates.get(destination)
         if candidate is None and destination in self.templates or candidate is not None and candidate.verified:
             return  # given up, or known
+        if candidate is None and len(self.templates) >= TEMPLATE_DESTINATIONS:
+            return  # as many destinations as a session keeps (a router routing each run to a queue of its own)
         pipeline = self.pipeline()
         commands = pipeline.command_stack[stacked:] if pipeline is not None else []
         command: Any = commands[0][0] if len(commands) == 1 else ()
@@ -518,6 +529,7 @@ def _publish_batch(app: Celery, messages: list[_Message]) -> None:
     published: list[tuple[_Message, dict[str, Any], Any, str]] = []
     written: dict[str, list[str]] = {}  # by LPUSH key, the messages rendered from templates
     session = _session(app)
+    session.made_from(headers, properties, embed)
     producer = session.producer
     try:
         with producer.connection._reraise_as_library_errors():
@@ -592,6 +604,8 @@ def _publish_batch(app: Celery, messages: list[_Message]) -> None:
 
 #: Messages of a destination that fail to give a template before it is given up (a session's).
 TEMPLATE_TRIES = 3
+#: Destinations a session keeps templates for; the messages of others are built by kombu.
+TEMPLATE_DESTINATIONS = 64
 #: False: every message is built by Celery and kombu (bench section (a) compares).
 TEMPLATES = True
 

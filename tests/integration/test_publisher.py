@@ -308,6 +308,63 @@ def test_compressed_messages_are_never_templated(queue: str) -> None:
             session.close()
 
 
+@pytest.fixture
+def own_session() -> Iterator[None]:
+    """The app's publisher session made by the test's thread (kombu's publish batch is the
+    thread's that opened it: from another thread, kombu publishes at once, without the
+    batch, and no template is learned), and dropped after the test."""
+
+    def drop() -> None:
+        session = publishing._sessions.pop(celery_app, None)
+        if session is not None:
+            session.close()
+
+    assert tasks.publisher.flush(timeout=10)
+    drop()
+    yield
+    drop()
+
+
+def test_templates_are_learned_again_when_what_celery_makes_a_message_from_changed(
+    queue: str, own_session: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Celery's part of the message is read again from the app (``app_conf``, every second):
+    when it differs, the templates made from the old one are dropped, so a message never
+    carries what kombu would no longer write."""
+    learners = _messages(celery_app, 3, queue)
+    publishing._publish(celery_app, learners)
+    session = publishing._sessions[celery_app]
+    assert [t.verified for t in _templates(session, queue)] == [True]
+    conf = publishing.app_conf(celery_app)
+    moved = conf._replace(headers={**conf.headers, "origin": "elsewhere@durable"}, read_at=time.monotonic() + 60)
+    monkeypatch.setitem(publishing._app_confs, celery_app, moved)
+    messages = _messages(celery_app, 4, queue)
+    publishing._publish(celery_app, messages)
+    headers = [json.loads(t)["headers"] for t in _texts([queue])[queue]]
+    assert [h["id"] for h in headers] == [m.task_id for m in learners + messages]
+    assert [h["origin"] for h in headers[3:]] == ["elsewhere@durable"] * 4
+    assert [t.verified for t in _templates(session, queue)] == [True]  # learned again from the new one
+
+
+def test_a_session_keeps_templates_for_a_bounded_number_of_destinations(queue: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router that sends each run to a queue of its own would otherwise make a template a run."""
+    monkeypatch.setattr(publishing, "TEMPLATE_DESTINATIONS", 1)
+    app = Celery("durable-templates-bounded", broker=str(celery_app.conf.broker_url), set_as_current=False)
+    app.finalize()
+    queues = [f"{queue}-a", f"{queue}-b"]
+    try:
+        messages = [m for name in queues for m in _messages(app, 4, name)]
+        publishing._publish(app, messages)
+        templates = publishing._sessions[app].templates
+        assert [t.key for t in templates.values() if t is not None and t.verified] == [queues[0]]
+        texts = _texts(queues)
+        assert [json.loads(t)["headers"]["id"] for name in queues for t in texts[name]] == [m.task_id for m in messages]
+    finally:
+        session = publishing._sessions.pop(app, None)
+        if session is not None:
+            session.close()
+
+
 def test_a_run_id_found_elsewhere_in_its_message_gives_no_template(queue: str) -> None:
     """A run id that is also part of something else in its message (here "json", in the
     content type "application/json") cannot be cut out: the next message is tried instead."""
