@@ -365,6 +365,38 @@ def test_a_session_keeps_templates_for_a_bounded_number_of_destinations(queue: s
             session.close()
 
 
+#: The RabbitMQ that ``bin/services`` starts (guest/guest on localhost).
+RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+def test_on_rabbitmq_every_message_is_built_by_kombu_and_published() -> None:
+    """AMQP has no publish batch in kombu: no pipeline to learn a template from, so every
+    message goes through kombu, one by one, as before the templates; none is lost."""
+    app = Celery("durable-templates-amqp", set_as_current=False)
+    app.conf.broker_write_url = RABBITMQ  # what publishes; CELERY_BROKER_URL (set by bin/test) wins over broker_url
+    app.finalize()
+    name = f"publisher-amqp-{uuid.uuid4().hex[:8]}"
+    try:
+        messages = _messages(app, 5, name)
+        publishing._publish(app, messages[:2])
+        publishing._publish(app, messages[2:])
+        assert set(publishing._sessions[app].templates.values()) == {None}  # given up: never rendered
+        received = []
+        with app.connection_for_write() as conn:
+            assert conn.transport.driver_type == "amqp"
+            with conn.SimpleQueue(name) as q:
+                for _ in messages:
+                    message = q.get(timeout=10)
+                    received.append(message.headers["id"])
+                    message.ack()
+            conn.default_channel.queue_delete(name)
+        assert received == [m.task_id for m in messages]
+    finally:
+        session = publishing._sessions.pop(app, None)
+        if session is not None:
+            session.close()
+
+
 def test_a_run_id_found_elsewhere_in_its_message_gives_no_template(queue: str) -> None:
     """A run id that is also part of something else in its message (here "json", in the
     content type "application/json") cannot be cut out: the next message is tried instead."""
