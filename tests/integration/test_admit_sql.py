@@ -318,6 +318,13 @@ def _waits_for_a_lock(pid: int) -> bool:
         return bool(cursor.fetchone()[0])
 
 
+def _until_it_waits_for_a_lock(pid: int, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not _waits_for_a_lock(pid):
+        assert time.monotonic() < deadline, f"{what} never waited for the key's lock"
+        time.sleep(0.01)
+
+
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_a_start_refused_after_waiting_for_the_keys_lock_answers_the_estimate() -> None:
@@ -345,10 +352,7 @@ def test_a_start_refused_after_waiting_for_the_keys_lock_answers_the_estimate() 
         assert holder.execute(ADMIT, [quotas, f"{key}:2", False]).fetchone()[0] == "created"  # holds both keys' locks
         thread = threading.Thread(target=lambda: answers.append(waiter.execute(ADMIT, [quotas, f"{key}:3", False]).fetchone()))
         thread.start()
-        deadline = time.monotonic() + 10
-        while not _waits_for_a_lock(waiter.info.backend_pid):
-            assert time.monotonic() < deadline, "the second start never waited for the key's lock"
-            time.sleep(0.01)
+        _until_it_waits_for_a_lock(waiter.info.backend_pid, "the second start")
         holder.commit()
         thread.join(timeout=10)
     [answer] = answers
@@ -372,10 +376,7 @@ def test_a_start_refused_under_the_lock_at_a_limit_of_0_answers_no_estimate() ->
         holder.execute("SELECT 1 FROM durable_concurrencylock WHERE key = %s FOR UPDATE", [key])
         thread = threading.Thread(target=lambda: answers.append(waiter.execute(ADMIT, [quotas, f"{key}:2", False]).fetchone()))
         thread.start()
-        deadline = time.monotonic() + 10
-        while not _waits_for_a_lock(waiter.info.backend_pid):
-            assert time.monotonic() < deadline, "the start never waited for the key's lock"
-            time.sleep(0.01)
+        _until_it_waits_for_a_lock(waiter.info.backend_pid, "the start")
         holder.execute("UPDATE durable_concurrencylock SET limit_override = 0 WHERE key = %s", [key])
         holder.commit()
         thread.join(timeout=10)
@@ -400,10 +401,7 @@ def test_a_lock_first_start_waits_for_a_held_row_and_counts_what_committed_meanw
         assert holder.execute(ADMIT, [quotas, f"{key}:1", False]).fetchone()[0] == "created"  # holds the key's row
         thread = threading.Thread(target=lambda: answers.append(waiter.execute(ADMIT, [quotas, f"{key}:2", False]).fetchone()))
         thread.start()
-        deadline = time.monotonic() + 10
-        while not _waits_for_a_lock(waiter.info.backend_pid):
-            assert time.monotonic() < deadline, "the start never waited for the key's lock"
-            time.sleep(0.01)
+        _until_it_waits_for_a_lock(waiter.info.backend_pid, "the start")
         holder.commit()
         thread.join(timeout=10)
     [answer] = answers

@@ -9,6 +9,7 @@ outbox: what the publisher cannot publish is logged, and the sweeper sends it
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import json
 import os
@@ -181,6 +182,22 @@ def _templated_and_kombus(
     return templated, _texts(keys)
 
 
+@contextlib.contextmanager
+def _app(name: str, **conf: Any) -> Iterator[Celery]:
+    """A Celery app of the test's own (durable's tasks registered), configured with ``conf``;
+    the publisher session the test's calls made for it closed after."""
+    app = Celery(name, set_as_current=False)
+    for setting, value in conf.items():
+        setattr(app.conf, setting, value)
+    app.finalize()
+    try:
+        yield app
+    finally:
+        session = publishing._sessions.pop(app, None)
+        if session is not None:
+            session.close()
+
+
 def test_messages_written_from_a_template_are_the_text_kombu_writes(queue: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The first message of a destination goes through kombu and gives the template, the
     second (through kombu too) checks it, the next ones are rendered: byte for byte what
@@ -206,7 +223,6 @@ def test_messages_written_from_a_template_are_the_text_kombu_writes(queue: str, 
 def test_templates_follow_the_route_of_each_message(queue: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A router that routes by the run id (to one queue or another, with a priority or not)
     and a global key prefix: each message goes where kombu would have put it, as its text."""
-    app = Celery("durable-templates", broker=str(celery_app.conf.broker_url), set_as_current=False)
     names = {"low": f"{queue}-low", "high": f"{queue}-high"}
 
     def route(name: str, args: tuple[Any, ...], kwargs: Any, options: Any, task: Any = None, **kw: Any) -> dict[str, Any]:
@@ -215,10 +231,8 @@ def test_templates_follow_the_route_of_each_message(queue: str, monkeypatch: pyt
         high = int(args[0][-1], 16) % 2 == 1
         return {"queue": names["high"], "priority": 6} if high else {"queue": names["low"]}
 
-    app.conf.task_routes = (route,)
-    app.conf.broker_transport_options = {"global_keyprefix": "durable-test:"}
-    app.finalize()
-    try:
+    prefixed = {"global_keyprefix": "durable-test:"}
+    with _app("durable-templates", task_routes=(route,), broker_transport_options=prefixed) as app:
         high = "\x06\x16" + "6"  # kombu's Redis key of a priority-6 message: the queue, a separator, the step
         keys = [f"durable-test:{names['low']}", f"durable-test:{names['high']}{high}"]
         learners = _messages(app, 24)
@@ -236,10 +250,6 @@ def test_templates_follow_the_route_of_each_message(queue: str, monkeypatch: pyt
         routed = {json.loads(t)["headers"]["argsrepr"]: key for key in keys for t in templated[key]}
         for m in messages:
             assert routed[repr((m.run_id,))] == keys[int(m.run_id[-1], 16) % 2]
-    finally:
-        session = publishing._sessions.pop(app, None)
-        if session is not None:
-            session.close()
 
 
 def test_a_destination_whose_message_is_more_than_one_command_is_never_templated(
@@ -247,10 +257,6 @@ def test_a_destination_whose_message_is_more_than_one_command_is_never_templated
 ) -> None:
     """A queue with an expiry (kombu adds a PEXPIRE to each message's LPUSH) is published
     through kombu, message by message, as before."""
-    app = Celery("durable-templates-expiry", broker=str(celery_app.conf.broker_url), set_as_current=False)
-    app.conf.task_queues = [KombuQueue(queue, expires=60)]
-    app.conf.task_default_queue = queue
-    app.finalize()
     built: list[str] = []
     publish = kombu.messaging.Producer.publish
 
@@ -259,17 +265,13 @@ def test_a_destination_whose_message_is_more_than_one_command_is_never_templated
         return publish(self, body, **kwargs)
 
     monkeypatch.setattr(kombu.messaging.Producer, "publish", counted)
-    try:
+    with _app("durable-templates-expiry", task_queues=[KombuQueue(queue, expires=60)], task_default_queue=queue) as app:
         messages = _messages(app, 5)
         publishing._publish(app, messages[:2])
         publishing._publish(app, messages[2:])
         assert built == [m.task_id for m in messages]  # every one through kombu
         assert set(publishing._sessions[app].templates.values()) == {None}
         assert [json.loads(t)["headers"]["id"] for t in _texts([queue])[queue]] == [m.task_id for m in messages]
-    finally:
-        session = publishing._sessions.pop(app, None)
-        if session is not None:
-            session.close()
 
 
 def test_a_template_that_does_not_render_the_next_message_as_kombu_wrote_it_is_given_up(
@@ -291,10 +293,7 @@ def test_a_template_that_does_not_render_the_next_message_as_kombu_wrote_it_is_g
 
 
 def test_compressed_messages_are_never_templated(queue: str) -> None:
-    app = Celery("durable-templates-gzip", broker=str(celery_app.conf.broker_url), set_as_current=False)
-    app.conf.task_compression = "gzip"
-    app.finalize()
-    try:
+    with _app("durable-templates-gzip", task_compression="gzip") as app:
         messages = _messages(app, 4, queue)
         publishing._publish(app, messages[:2])
         publishing._publish(app, messages[2:])
@@ -302,10 +301,6 @@ def test_compressed_messages_are_never_templated(queue: str) -> None:
         headers = [json.loads(t)["headers"] for t in _texts([queue])[queue]]
         assert [h["id"] for h in headers] == [m.task_id for m in messages]
         assert {h["compression"] for h in headers} == {"application/x-gzip"}
-    finally:
-        session = publishing._sessions.pop(app, None)
-        if session is not None:
-            session.close()
 
 
 @pytest.fixture
@@ -349,20 +344,14 @@ def test_templates_are_learned_again_when_what_celery_makes_a_message_from_chang
 def test_a_session_keeps_templates_for_a_bounded_number_of_destinations(queue: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A router that sends each run to a queue of its own would otherwise make a template a run."""
     monkeypatch.setattr(publishing, "TEMPLATE_DESTINATIONS", 1)
-    app = Celery("durable-templates-bounded", broker=str(celery_app.conf.broker_url), set_as_current=False)
-    app.finalize()
     queues = [f"{queue}-a", f"{queue}-b"]
-    try:
+    with _app("durable-templates-bounded") as app:
         messages = [m for name in queues for m in _messages(app, 4, name)]
         publishing._publish(app, messages)
         templates = publishing._sessions[app].templates
         assert [t.key for t in templates.values() if t is not None and t.verified] == [queues[0]]
         texts = _texts(queues)
         assert [json.loads(t)["headers"]["id"] for name in queues for t in texts[name]] == [m.task_id for m in messages]
-    finally:
-        session = publishing._sessions.pop(app, None)
-        if session is not None:
-            session.close()
 
 
 #: The RabbitMQ that ``bin/services`` starts (guest/guest on localhost).
@@ -372,11 +361,9 @@ RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
 def test_on_rabbitmq_every_message_is_built_by_kombu_and_published() -> None:
     """AMQP has no publish batch in kombu: no pipeline to learn a template from, so every
     message goes through kombu, one by one, as before the templates; none is lost."""
-    app = Celery("durable-templates-amqp", set_as_current=False)
-    app.conf.broker_write_url = RABBITMQ  # what publishes; CELERY_BROKER_URL (set by bin/test) wins over broker_url
-    app.finalize()
     name = f"publisher-amqp-{uuid.uuid4().hex[:8]}"
-    try:
+    # What publishes: broker_write_url (CELERY_BROKER_URL, which bin/test sets, wins over broker_url).
+    with _app("durable-templates-amqp", broker_write_url=RABBITMQ) as app:
         messages = _messages(app, 5, name)
         publishing._publish(app, messages[:2])
         publishing._publish(app, messages[2:])
@@ -391,10 +378,6 @@ def test_on_rabbitmq_every_message_is_built_by_kombu_and_published() -> None:
                     message.ack()
             conn.default_channel.queue_delete(name)
         assert received == [m.task_id for m in messages]
-    finally:
-        session = publishing._sessions.pop(app, None)
-        if session is not None:
-            session.close()
 
 
 def test_a_run_id_found_elsewhere_in_its_message_gives_no_template(queue: str) -> None:
