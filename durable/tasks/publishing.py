@@ -442,7 +442,15 @@ class _Session:
         the next one checks it (rendered for that message, it must be the text kombu wrote).
         A destination whose messages are not one ``LPUSH`` (a queue with an expiry), or whose
         candidate failed the check, is never templated in this session; one whose message
-        cannot be cut out (a run id found elsewhere in it) is tried again, a few times."""
+        cannot be cut out (a run id found elsewhere in it) is tried again, a few times.
+        Never raises: the message is kombu's, buffered already, whatever learning makes of it."""
+        try:
+            self._learn(destination, m, argsrepr, stacked)
+        except Exception:
+            logger.debug("durable: no template for the messages to %s", destination, exc_info=True)
+            self.templates[destination] = None
+
+    def _learn(self, destination: tuple[Any, ...], m: _Message, argsrepr: str, stacked: int) -> None:
         candidate = self.templates.get(destination)
         if candidate is None and destination in self.templates or candidate is not None and candidate.verified:
             return  # given up, or known

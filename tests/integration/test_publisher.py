@@ -292,6 +292,24 @@ def test_a_template_that_does_not_render_the_next_message_as_kombu_wrote_it_is_g
     assert all('"lang": "py"' in t for t in texts)
 
 
+def test_a_template_that_cannot_be_learned_for_any_reason_never_fails_the_batch(
+    queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Learning reads kombu's text after kombu buffered the message: whatever goes wrong
+    there gives the destination up, and the batch is published whole."""
+
+    def breaks(*args: Any) -> None:
+        raise KeyError("properties")
+
+    monkeypatch.setattr(publishing._Template, "learn", breaks)
+    e = _engine()
+    run_ids = [e.start("test.add", add_input(f"b{n}")).run_id for n in range(3)]
+    assert tasks.publisher.flush(timeout=10)
+    session = publishing._sessions[celery_app]
+    assert [template for destination, template in session.templates.items() if queue in destination] == [None]
+    assert _ids(_drain(queue)) == sorted(tasks.task_id(r, 0) for r in run_ids)
+
+
 def test_compressed_messages_are_never_templated(queue: str) -> None:
     with _app("durable-templates-gzip", task_compression="gzip") as app:
         messages = _messages(app, 4, queue)
