@@ -436,6 +436,20 @@ class _Session:
         template = self.templates.get(destination)
         return template if TEMPLATES and template is not None and template.verified else None
 
+    def learning(self, destination: tuple[Any, ...]) -> bool:
+        """Whether ``destination``'s template is still to be learned or checked: not known, not
+        given up, and the session keeps fewer than ``TEMPLATE_DESTINATIONS`` (a router routing
+        each run to a queue of its own would make one a run)."""
+        if destination not in self.templates:
+            return len(self.templates) < TEMPLATE_DESTINATIONS
+        candidate = self.templates[destination]
+        return candidate is not None and not candidate.verified
+
+    def stacked(self) -> int:
+        """How many commands kombu's pipeline holds (before a message ``learn`` reads)."""
+        pipeline = self.pipeline()
+        return len(pipeline.command_stack) if pipeline is not None else 0
+
     def learn(self, destination: tuple[Any, ...], m: _Message, argsrepr: str, stacked: int) -> None:
         """Learn ``destination``'s template from the message kombu just buffered for ``m``
         (the commands of its pipeline past ``stacked``): a first message gives a candidate,
@@ -452,10 +466,6 @@ class _Session:
 
     def _learn(self, destination: tuple[Any, ...], m: _Message, argsrepr: str, stacked: int) -> None:
         candidate = self.templates.get(destination)
-        if candidate is None and destination in self.templates or candidate is not None and candidate.verified:
-            return  # given up, or known
-        if candidate is None and len(self.templates) >= TEMPLATE_DESTINATIONS:
-            return  # as many destinations as a session keeps (a router routing each run to a queue of its own)
         pipeline = self.pipeline()
         commands = pipeline.command_stack[stacked:] if pipeline is not None else []
         command: Any = commands[0][0] if len(commands) == 1 else ()
@@ -551,7 +561,8 @@ def _publish_batch(app: Celery, messages: list[_Message]) -> None:
                     argsrepr = saferepr(args, amqp.argsrepr_maxsize)
                 # What the message's text depends on, besides the run: its route.
                 destination = (getattr(exchange, "name", exchange), routing_key, delivery_mode, route.get("priority"))
-                template = session.template(destination) if m.context is None and not defaults.compression else None
+                templated = m.context is None and not defaults.compression  # else kombu builds it, always
+                template = session.template(destination) if templated else None
                 if template is not None:
                     written.setdefault(template.key, []).append(template.render(m, argsrepr, str(uuid.uuid4())))
                     continue
@@ -577,8 +588,8 @@ def _publish_batch(app: Celery, messages: list[_Message]) -> None:
                         properties=props,
                         retry_policy=defaults.retry_policy,
                     )
-                pipeline = session.pipeline()
-                stacked = len(pipeline.command_stack) if pipeline is not None else 0
+                learning = templated and session.learning(destination)
+                stacked = session.stacked() if learning else 0
                 producer.publish(
                     message_body,
                     exchange=exchange,
@@ -591,7 +602,7 @@ def _publish_batch(app: Celery, messages: list[_Message]) -> None:
                 )
                 if m.context is not None:
                     published.append((m, h, exchange, routing_key))
-                elif not defaults.compression:
+                if learning:
                     session.learn(destination, m, argsrepr, stacked)
             session.flush(written)
     except BaseException:
