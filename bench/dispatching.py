@@ -6,12 +6,13 @@ to its body. Both are sent by benchmark process 0 (its Celery app on the
 ``--broker``, durable's ``TASK_QUEUE`` set to the pool's queue) and run by one
 ``celery -A testproject worker`` consuming that queue, once per pool (threads,
 prefork) and database setting (Django's default settings, Django's pool), then
-two extra rows without a target: threads with ``KEEP_WORKER_CONNECTION`` off, and
+extra rows without a target: threads with ``KEEP_WORKER_CONNECTION`` off; threads with
+the pool, every message through the publisher's thread (direct writes off); and
 threads with the pool while the sender keeps computing after each call (as a view
-renders its response after starting a run: the background publisher's thread
-waits for the GIL meanwhile). Rows without a worker then show when a dispatch's
-message reaches the queue, as a listener in another process sees it, with the
-sender waiting or computing after each call (``HOP_BUSY``).
+renders its response after starting a run), with and without direct writes. Rows
+without a worker then show when a dispatch's message reaches the queue, as a
+listener in another process sees it, with the sender waiting or computing after
+each call (``HOP_ROWS``).
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ TARGET = 1.2
 #: many seconds after each call, the dispatch's and the bare task's alike.
 BUSY_SECONDS = 0.002
 BUSY_SUFFIX = f", the sender computing {BUSY_SECONDS * 1e3:g} ms after each call"
-#: Seconds the sender computes after each call in the publisher hop rows (0: it waits).
-HOP_BUSY = (0.0, 0.002, 0.010, 0.030)
+#: The publisher hop rows: seconds the sender computes after each call (0: it waits), and whether
+#: the caller writes the message itself (the default) or hands it to the publisher's thread.
+HOP_ROWS = ((0.0, True), (0.002, True), (0.010, True), (0.030, True), (0.0, False), (0.002, False))
+#: The label of the (f) rows whose messages all go through the publisher's thread.
+THREADED_SUFFIX = ", each message through the publisher's thread (no direct writes)"
 
 
 def section_f(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch, progress: Progress) -> None:
@@ -62,18 +66,22 @@ def section_f(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
     measured: list[tuple[str, bool, list[float], list[float]]] = []
     #: Per configuration, how long the sender's call took (dispatch, apply_async).
     calls: list[tuple[list[float], list[float]]] = []
-    #: Per configuration, how long after the dispatch call returned the publisher had the broker's reply to its batch.
-    hops: list[list[float]] = []
-    # (pool, worker database setting, its query string, seconds the sender computes after each call)
-    configurations = [(pool_kind, name, query, 0.0) for pool_kind in POOLS for name, query, _ in WORKER_DATABASES]
-    configurations.append((POOLS[0], DJANGO_CONNECTION[0], DJANGO_CONNECTION[1], 0.0))
-    configurations.append((POOLS[0], WORKER_DATABASES[1][0], WORKER_DATABASES[1][1], BUSY_SECONDS))
+    #: Per configuration, how long after the dispatch call returned the publisher had the broker's reply to its
+    #: batch (the dispatches whose message went through its thread), and how many the caller wrote itself.
+    hops: list[tuple[list[float], int]] = []
+    # (pool, worker database setting, its query string, seconds the sender computes after each call, direct writes)
+    configurations = [(pool_kind, name, query, 0.0, True) for pool_kind in POOLS for name, query, _ in WORKER_DATABASES]
+    pooled = WORKER_DATABASES[1]
+    configurations.append((POOLS[0], pooled[0], pooled[1], 0.0, False))
+    configurations.append((POOLS[0], DJANGO_CONNECTION[0], DJANGO_CONNECTION[1], 0.0, True))
+    configurations.append((POOLS[0], pooled[0], pooled[1], BUSY_SECONDS, True))
+    configurations.append((POOLS[0], pooled[0], pooled[1], BUSY_SECONDS, False))
     try:
         progress(f"(f) the publisher's hop: {opts.first_steps} dispatches per row to a queue a listener reads")
         arrivals = _publish_hops(pool, opts, app)
-        for pool_kind, name, query, busy in configurations:
-            label = f"{pool_kind}, {name}{BUSY_SUFFIX if busy else ''}"
-            extra = bool(busy) or name == DJANGO_CONNECTION[0]
+        for pool_kind, name, query, busy, direct in configurations:
+            label = f"{pool_kind}, {name}{BUSY_SUFFIX if busy else ''}{'' if direct else THREADED_SUFFIX}"
+            extra = bool(busy) or name == DJANGO_CONNECTION[0] or not direct
             broker.purge(app, opts.pool_queue)  # what (a) left, if anything
             worker = CeleryWorker(
                 broker=opts.broker,
@@ -85,7 +93,14 @@ def section_f(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
                 env=WORKER_ENV.get(name),
             )
             progress(f"(f) {label}: {opts.first_steps} dispatches and bare tasks, interleaved ({worker.describe()})")
-            message = {"cmd": "firststep", "samples": opts.first_steps, "warm": WARM, "timeout": TIMEOUT, "busy": busy}
+            message = {
+                "cmd": "firststep",
+                "samples": opts.first_steps,
+                "warm": WARM,
+                "timeout": TIMEOUT,
+                "busy": busy,
+                "direct": direct,
+            }
             with worker:
                 [reply] = pool.call_lenient([0], message, timeout=TIMEOUT * (2 * (opts.first_steps + WARM) + 4))
                 if "error" in reply:
@@ -94,25 +109,25 @@ def section_f(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
             latency = reply["latency_us"]
             measured.append((label, extra, sorted(latency["dispatch"]), sorted(latency["baseline"])))
             calls.append((sorted(reply["call_us"]["dispatch"]), sorted(reply["call_us"]["baseline"])))
-            hops.append(sorted(reply["hop_us"]))
+            hops.append((sorted(reply["hop_us"]), int(reply["direct"])))
     finally:
         try:
             broker.purge(app, opts.pool_queue)
         finally:
             app.close()
     _report_f(report, opts, measured, calls, hops)
-    for busy, hop in arrivals.items():
+    for (busy, direct), hop in arrivals.items():
         sender = f"the sender computing {busy * 1e3:g} ms after each call" if busy else "the sender waiting after each call"
         report.row(
             "f",
-            f"dispatch's message in the queue after the call returned p50 / p90, {sender}",
+            f"dispatch's message in the queue after the call returned p50 / p90, {sender}{'' if direct else THREADED_SUFFIX}",
             f"{_report.ms(_report.percentile(hop, 50))} / {_report.ms(_report.percentile(hop, 90))}",
             f"{len(hop)} dispatches, one at a time; a listener's BLPOP stamps each message's arrival",
         )
 
 
-def _publish_hops(pool: WorkerPool, opts: Options, app: Any) -> dict[float, list[float]]:
-    """Per ``HOP_BUSY``: how long after each dispatch call returned its message was in a Redis
+def _publish_hops(pool: WorkerPool, opts: Options, app: Any) -> dict[tuple[float, bool], list[float]]:
+    """Per ``HOP_ROWS``: how long after each dispatch call returned its message was in a Redis
     queue no worker consumes (microseconds, sorted), stamped by a thread of this process in
     ``BLPOP`` on it: benchmark process 0 sends, so this process's GIL is not the sender's."""
     queue = f"{opts.pool_queue}-hop"
@@ -135,10 +150,10 @@ def _publish_hops(pool: WorkerPool, opts: Options, app: Any) -> dict[float, list
     listener = threading.Thread(target=listen, name="durable-bench-hop-listener", daemon=True)
     listener.start()
     try:
-        message = {"cmd": "publishhop", "queue": queue, "samples": opts.first_steps, "warm": WARM, "busy": HOP_BUSY}
-        per_sample = 0.05 + max(HOP_BUSY)
-        [reply] = pool.call([0], message, timeout=TIMEOUT + per_sample * len(HOP_BUSY) * (opts.first_steps + WARM))
-        sent = {float(busy): rows for busy, rows in reply["returned"].items()}
+        message = {"cmd": "publishhop", "queue": queue, "samples": opts.first_steps, "warm": WARM, "rows": HOP_ROWS}
+        per_sample = 0.05 + max(busy for busy, _ in HOP_ROWS)
+        [reply] = pool.call([0], message, timeout=TIMEOUT + per_sample * len(HOP_ROWS) * (opts.first_steps + WARM))
+        sent = {row: reply["returned"][repr(row)] for row in HOP_ROWS}
         deadline = time.monotonic() + TIMEOUT
         while any(task not in arrived for rows in sent.values() for task, _ in rows):
             if failed:
@@ -158,18 +173,23 @@ def _report_f(
     opts: Options,
     measured: list[tuple[str, bool, list[float], list[float]]],
     calls: list[tuple[list[float], list[float]]],
-    hops: list[list[float]],
+    hops: list[tuple[list[float], int]],
 ) -> None:
     def p(values: list[float], q: float) -> str:
         return _report.ms(_report.percentile(values, q)) if values else "-"
 
-    for (label, _, dispatch, baseline), (dispatch_call, apply_call), hop in zip(measured, calls, hops, strict=True):
+    for (label, _, dispatch, baseline), (dispatch_call, apply_call), (hop, direct) in zip(measured, calls, hops, strict=True):
+        through = (
+            f"; through the publisher's thread: it read the broker's reply to its batch p50 {p(hop, 50)} after the call returned"
+            if hop
+            else ""
+        )
         report.row(
             "f",
             f"dispatch -> first step p50 / p99, {label}",
             f"{p(dispatch, 50)} / {p(dispatch, 99)}",
-            f"the dispatch call itself p50 {p(dispatch_call, 50)}; the publisher read the broker's reply to its "
-            f"batch p50 {p(hop, 50)} after the call returned",
+            f"the dispatch call itself p50 {p(dispatch_call, 50)}; message written by the caller for {direct} of "
+            f"{len(dispatch)}{through}",
         )
         report.row(
             "f",
@@ -205,13 +225,15 @@ def _report_f(
         f"--concurrency=1, on the --broker. {databases}."
     )
     report.note(
-        "(f) where durable's time goes: the dispatch call (the admission transaction, the message handed to the "
-        "background publisher on commit) returns about when apply_async, which sends on the caller's thread, "
-        "returns (both in the note of each row); the message then reaches the broker from the publisher's thread "
-        "(its wake-up, kombu's publish and the Redis pipeline, sharing the GIL with the caller: the hop in the note "
-        "of each dispatch row is when the publisher read the broker's reply, an upper bound; the rows 'dispatch's "
-        "message in the queue' stamp the arrival from another process), while the bare task's message left inside "
-        "its call; in the worker "
+        "(f) where durable's time goes: the dispatch call is the admission transaction (one round trip to "
+        "PostgreSQL, which the bare task does not make), then on commit the message: once the publisher has a "
+        "verified template for the queue, the caller's thread writes it to Redis itself before the call returns "
+        "(the count in the note of each dispatch row), without waiting for the reply (the publisher's thread reads "
+        "it); with direct writes off (the option rows) the message is handed to the publisher's thread, which "
+        "sends it after its wake-up and its turn at the GIL (the hop in the note of those rows is when it read the "
+        "broker's reply, an upper bound; the rows 'dispatch's message in the queue' stamp the arrival from another "
+        "process). apply_async sends on the caller's thread and waits for Redis's reply: its message left inside "
+        "its call, a part of the call the worker already works in. In the worker "
         "the claim is one round trip (one committed write, as the baseline's INSERT), and the first step runs "
         "without another read (the claim proved the lease). Celery's Django fix-up (celery.fixups.django, Celery "
         "5.7) closes Django's connections before and after every task, and in a prefork child also Django's "
@@ -222,11 +244,11 @@ def _report_f(
         "PL/pgSQL)."
     )
     report.note(
-        f"(f) {POOLS[0]}, {WORKER_DATABASES[1][0]}{BUSY_SUFFIX} (option): the sender computes "
+        f"(f) {POOLS[0]}, {WORKER_DATABASES[1][0]}{BUSY_SUFFIX} (options): the sender computes "
         f"{BUSY_SECONDS * 1e3:g} ms in Python right after each "
         "call, dispatch and apply_async alike, as a view renders its response after starting a run; both latencies "
-        "include it. The publisher's thread needs the GIL to build and send the message: it gets it when the "
-        "sender's thread next waits (I/O, a sleep) or after Python's switch interval (sys.getswitchinterval(), "
-        "5 ms), so the message leaves after the computing, not during it. PUBLISH_IN_BACKGROUND = False sends on "
-        "the caller's thread instead, at the cost (a) shows (its option 'sent on the caller's thread')."
+        "include it. A message the caller writes itself is in Redis before the computing starts. Through the "
+        "publisher's thread (direct writes off), the thread needs the GIL to build and send the message: it gets "
+        "it when the sender's thread next waits (I/O, a sleep) or after Python's switch interval "
+        "(sys.getswitchinterval(), 5 ms), so the message leaves after the computing, not during it."
     )

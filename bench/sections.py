@@ -23,6 +23,7 @@ Progress = Callable[[str], None]
 
 KINDS = (
     "dispatch",
+    "dispatch_threaded",
     "dispatch_unbatched",
     "dispatch_sync",
     "dispatch_kombu",
@@ -33,10 +34,11 @@ KINDS = (
     "dbos",
 )
 #: The kinds that send a Celery message per start (counted in the queue after each round).
-DISPATCH_KINDS = ("dispatch", "dispatch_unbatched", "dispatch_sync", "dispatch_kombu", "dispatch_prepared")
+DISPATCH_KINDS = ("dispatch", "dispatch_threaded", "dispatch_unbatched", "dispatch_sync", "dispatch_kombu", "dispatch_prepared")
 LABELS = {
     "dispatch": "durable Wf.dispatch (Celery message to Redis)",
-    "dispatch_unbatched": "option: Wf.dispatch, each batch at once (PUBLISH_BATCH_INTERVAL 0)",
+    "dispatch_threaded": "option: Wf.dispatch, each message through the publisher's thread (no direct writes)",
+    "dispatch_unbatched": "option: Wf.dispatch through the publisher's thread, each batch at once (PUBLISH_BATCH_INTERVAL 0)",
     "dispatch_sync": "option: Wf.dispatch, message sent on the caller's thread (PUBLISH_IN_BACKGROUND off)",
     "dispatch_kombu": "option: Wf.dispatch, each message built by kombu (no templates)",
     "dispatch_prepared": "option: Wf.dispatch, prepared statements (OPTIONS server_side_binding, prepare_threshold 5)",
@@ -177,6 +179,7 @@ def _measure_a(
             if value is not None:
                 report.row("a", f"ratio dispatch/{other}, {n} proc", _report.ratio(value), detail.strip(" ()"))
     for option, named in (
+        ("dispatch_threaded", "through the publisher's thread"),
         ("dispatch_unbatched", "each batch at once"),
         ("dispatch_sync", "sent on the caller's thread"),
         ("dispatch_kombu", "each message built by kombu"),
@@ -222,16 +225,21 @@ def _measure_a(
         )
     report.note(
         "(a) dispatch: FirstStep.dispatch (bench/firststep.py, a DurableWorkflow on durable's default engine): "
-        "the admission transaction, then on commit the Celery message handed to durable's background publisher, "
-        "which publishes it to the --broker (one Redis pipeline per batch, batches at least PUBLISH_BATCH_INTERVAL, "
-        "5 ms by default, apart); each round ends when the publisher "
-        "has published every message of the round (durable.tasks.publisher.flush, inside the timed window and the "
-        "CPU time, which counts every thread of the process). DEBUG off in the benchmark processes. Option sent on "
+        "the admission transaction, then on commit the Celery message: once the publisher has a verified template "
+        "for the queue (from the first two messages), the caller's thread renders it and writes its LPUSH on the "
+        "publisher's direct connection to the --broker without waiting for the reply, which the publisher's thread "
+        "reads (durable.tasks.direct); each round ends when the publisher "
+        "has every message of the round confirmed (durable.tasks.publisher.flush, inside the timed window and the "
+        "CPU time, which counts every thread of the process). DEBUG off in the benchmark processes. Option through "
+        "the publisher's thread: the default dispatch with direct writes off (durable.tasks.publishing.DIRECT_WRITES): "
+        "each message handed to the background publisher, which publishes it (one Redis pipeline per batch, "
+        "batches at least PUBLISH_BATCH_INTERVAL, 5 ms by default, apart), as before direct writes. Option sent on "
         "the caller's thread: the same with PUBLISH_IN_BACKGROUND off (execute_run.apply_async after the commit, "
-        "as before the publisher). Option each batch at once: the default dispatch with PUBLISH_BATCH_INTERVAL 0 "
-        "(a batch as soon as the publisher's thread gets to it: one message per pipeline at these rates). "
-        "Option each message built by kombu: the default dispatch with the publisher's templates put aside "
-        "(durable.tasks.publishing.TEMPLATES off): Celery and kombu build every message, as before them. "
+        "as before the publisher). Option each batch at once: through the publisher's thread with "
+        "PUBLISH_BATCH_INTERVAL 0 (a batch as soon as the thread gets to it: one message per pipeline at these "
+        "rates). Option each message built by kombu: the default dispatch with the publisher's templates put aside "
+        "(durable.tasks.publishing.TEMPLATES off, so no direct writes either): Celery and kombu build every "
+        "message in the publisher's thread, as before templates. "
         "Option prepared statements: the default dispatch on a Django connection with OPTIONS server_side_binding "
         "and prepare_threshold 5 (the call of durable_admit prepared, as the raw transaction's statements are). "
         "Shortcut: Engine.start with a no-op dispatch, the same transaction and no message "

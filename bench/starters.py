@@ -79,13 +79,20 @@ class DispatchStarter:
     the transaction commits (``apply_async``, the path before the publisher).
     ``batch_interval``: the publisher's ``PUBLISH_BATCH_INTERVAL`` (None: the default).
     ``templates``: False puts the publisher's templates aside (``publishing.TEMPLATES``).
+    ``direct``: False sends every message through the publisher's thread: the caller
+    never writes one itself (``publishing.DIRECT_WRITES``).
     ``prepared``: each round on a connection with prepared statements (see ``begin``).
     ``finish`` waits until every message of the round is on the broker: the round's
     time includes it.
     """
 
     def __init__(
-        self, background: bool = True, batch_interval: float | None = None, prepared: bool = False, templates: bool = True
+        self,
+        background: bool = True,
+        batch_interval: float | None = None,
+        prepared: bool = False,
+        templates: bool = True,
+        direct: bool = True,
     ) -> None:
         from bench.firststep import FirstStep
 
@@ -93,12 +100,13 @@ class DispatchStarter:
         self.background = background
         self.batch_interval = batch_interval
         self.templates = templates
+        self.direct = direct
         self.prepared = prepared
         self._before: dict[str, Any] = {}
         self._options: dict[str, Any] | None = None
 
     def begin(self) -> None:
-        """Publish this round's messages as ``background``, ``batch_interval`` and ``templates`` say, until ``end``;
+        """Publish this round's messages as ``background``, ``batch_interval``, ``templates`` and ``direct`` say, until ``end``;
         with ``prepared``, on a connection with Django's server-side binding and psycopg's prepared
         statements (``OPTIONS`` ``server_side_binding``, ``prepare_threshold`` 5, psycopg's default)."""
         from django.conf import settings
@@ -112,6 +120,7 @@ class DispatchStarter:
             chosen["PUBLISH_BATCH_INTERVAL"] = self.batch_interval
         settings.DURABLE = {**self._before, **chosen}
         publishing.TEMPLATES = self.templates
+        publishing.DIRECT_WRITES = self.direct
         if self.prepared:
             connection.close()
             self._options = connection.settings_dict.get("OPTIONS") or {}
@@ -125,7 +134,7 @@ class DispatchStarter:
         from durable.tasks import publishing
 
         settings.DURABLE = self._before
-        publishing.TEMPLATES = True
+        publishing.TEMPLATES = publishing.DIRECT_WRITES = True
         if self._options is not None:
             try:  # the row measured what it says: the round's starts called a prepared durable_admit
                 with connection.cursor() as cursor:

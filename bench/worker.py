@@ -8,8 +8,8 @@ starts on a barrier shared by the processes taking part.
 
 Commands (``cmd``):
 
-- ``prepare``: open the starter of ``kind`` (dispatch, dispatch_sync, dispatch_unbatched,
-  dispatch_kombu, dispatch_prepared, durable, raw, procrastinate, dbos; ``hot`` registers the hot workflow
+- ``prepare``: open the starter of ``kind`` (dispatch, dispatch_threaded, dispatch_sync,
+  dispatch_unbatched, dispatch_kombu, dispatch_prepared, durable, raw, procrastinate, dbos; ``hot`` registers the hot workflow
   with ``limit``; ``latency`` opens durable on each of ``aliases``) and warm it up.
 - ``rate``: start runs of ``kind`` round-robin over this process's ``nkeys`` keys
   for ``seconds``; reply the count, the elapsed time and the CPU time used (both
@@ -140,11 +140,15 @@ class _Worker:
             return self.drain(self._own(message))
         if cmd == "firststep":
             return self.first_step(
-                int(message["samples"]), int(message["warm"]), float(message["timeout"]), float(message.get("busy", 0.0))
+                int(message["samples"]),
+                int(message["warm"]),
+                float(message["timeout"]),
+                float(message.get("busy", 0.0)),
+                bool(message.get("direct", True)),
             )
         if cmd == "publishhop":
-            busy = [float(seconds) for seconds in message["busy"]]
-            return self.publish_hop(str(message["queue"]), int(message["samples"]), int(message["warm"]), busy)
+            rows = [(float(seconds), bool(direct)) for seconds, direct in message["rows"]]
+            return self.publish_hop(str(message["queue"]), int(message["samples"]), int(message["warm"]), rows)
         raise ValueError(f"unknown command {cmd!r}")
 
     def prepare(self, message: dict[str, Any]) -> Reply:
@@ -335,13 +339,15 @@ class _Worker:
             "queued_left": left,
         }
 
-    def first_step(self, samples: int, warm: int, timeout: float, busy: float = 0.0) -> Reply:
+    def first_step(self, samples: int, warm: int, timeout: float, busy: float = 0.0, direct: bool = True) -> Reply:
         """Dispatch to first step vs apply_async to a bare task's body, interleaved, one at a time;
-        also how long after each dispatch returned the publisher had the broker's reply to its batch.
-        ``busy``: seconds this thread computes (holding the GIL) right after each call, before it
-        waits for the body."""
+        also how long after each dispatch returned the publisher had the broker's reply to its batch,
+        and how many dispatches wrote their message on the caller's thread. ``busy``: seconds this
+        thread computes (holding the GIL) right after each call, before it waits for the body.
+        ``direct``: False sends every message through the publisher's thread."""
         from bench.firststep import PROBE_TABLE
         from durable.conf import settings as durable_settings
+        from durable.tasks import publishing
 
         if not durable_settings.PUBLISH_IN_BACKGROUND:
             raise RuntimeError("(f) measures the default dispatch: PUBLISH_IN_BACKGROUND is off in this process")
@@ -353,9 +359,13 @@ class _Worker:
         }
         out: dict[str, list[int]] = {"dispatch": [], "baseline": []}
         calls: dict[str, list[int]] = {"dispatch": [], "baseline": []}
-        with _published_at() as published:
-            hops = self._first_steps(samples, warm, timeout, body_of, out, calls, published, busy)
-        return {"latency_us": out, "call_us": calls, "hop_us": hops}
+        publishing.DIRECT_WRITES = direct
+        try:
+            with _published_at() as (published, written):
+                hops, direct_count = self._first_steps(samples, warm, timeout, body_of, out, calls, published, written, busy)
+        finally:
+            publishing.DIRECT_WRITES = True
+        return {"latency_us": out, "call_us": calls, "hop_us": hops, "direct": direct_count}
 
     def _first_steps(
         self,
@@ -366,8 +376,9 @@ class _Worker:
         out: dict[str, list[int]],
         calls: dict[str, list[int]],
         published: dict[str, float],
+        written: set[str],
         busy: float,
-    ) -> list[int]:
+    ) -> tuple[list[int], int]:
         import uuid
 
         from django.db import connection
@@ -376,6 +387,7 @@ class _Worker:
         from durable.conf import settings as durable_settings
 
         hops: list[int] = []
+        direct = 0
         for i in range(warm + samples):
             for kind in ("dispatch", "baseline") if i % 2 == 0 else ("baseline", "dispatch"):
                 t0 = time.time()
@@ -404,20 +416,22 @@ class _Worker:
                     calls[kind].append(int((returned - t0) * 1e6))
                     if kind == "dispatch" and token in published:
                         hops.append(int((published[token] - returned) * 1e6))
-        return hops
+                    direct += kind == "dispatch" and token in written
+        return hops, direct
 
-    def publish_hop(self, queue: str, samples: int, warm: int, busy: list[float]) -> Reply:
-        """For each of ``busy``: ``warm`` + ``samples`` ``FirstStep.dispatch`` calls, one at a time,
-        their messages to ``queue`` (no worker consumes it: the benchmark's listener stamps each
-        one's arrival); this thread computes that many seconds (holding the GIL) right after each
+    def publish_hop(self, queue: str, samples: int, warm: int, rows: list[tuple[float, bool]]) -> Reply:
+        """For each (busy, direct) of ``rows``: ``warm`` + ``samples`` ``FirstStep.dispatch`` calls,
+        one at a time, their messages to ``queue`` (no worker consumes it: the benchmark's listener
+        stamps each one's arrival), written by the caller (``direct``) or each sent through the
+        publisher's thread; this thread computes ``busy`` seconds (holding the GIL) right after each
         call, then waits for the publisher and for a quiet spell longer than
-        ``PUBLISH_BATCH_INTERVAL``, so every message goes at once. Reply, per ``busy``, each sample's
-        task id and the time.time() its call returned."""
+        ``PUBLISH_BATCH_INTERVAL``, so every message goes at once. Reply, per row (its repr), each
+        sample's task id and the time.time() its call returned."""
         from django.conf import settings
 
         from bench.firststep import FirstStep
         from durable import conf
-        from durable.tasks import publisher, task_id
+        from durable.tasks import publisher, publishing, task_id
 
         if not conf.settings.PUBLISH_IN_BACKGROUND:
             raise RuntimeError("(f) measures the background publisher: PUBLISH_IN_BACKGROUND is off in this process")
@@ -426,8 +440,9 @@ class _Worker:
         returned: dict[str, list[tuple[str, float]]] = {}
         try:
             quiet = conf.publish_batch_interval() + 0.003
-            for seconds in busy:
-                rows = returned[repr(seconds)] = []
+            for seconds, direct in rows:
+                publishing.DIRECT_WRITES = direct
+                sent = returned[repr((seconds, direct))] = []
                 for i in range(warm + samples):
                     run_id = FirstStep.dispatch({"key": f"hop-k{i % 10}"}).run_id
                     at = time.time()
@@ -437,9 +452,10 @@ class _Worker:
                         raise TimeoutError(f"(f) the publisher did not publish run {run_id} within 30 s")
                     time.sleep(quiet)
                     if i >= warm:
-                        rows.append((task_id(run_id, 0), at))
+                        sent.append((task_id(run_id, 0), at))
         finally:
             settings.DURABLE = before
+            publishing.DIRECT_WRITES = True
         return {"returned": returned}
 
     # -- helpers -------------------------------------------------------------
@@ -463,8 +479,10 @@ class _Worker:
             return starters.DispatchStarter()
         if kind == "dispatch_sync":
             return starters.DispatchStarter(background=False)
+        if kind == "dispatch_threaded":
+            return starters.DispatchStarter(direct=False)
         if kind == "dispatch_unbatched":
-            return starters.DispatchStarter(batch_interval=0)
+            return starters.DispatchStarter(batch_interval=0, direct=False)
         if kind == "dispatch_kombu":
             return starters.DispatchStarter(templates=False)
         if kind == "dispatch_prepared":
@@ -488,14 +506,16 @@ class _Worker:
 
 
 @contextlib.contextmanager
-def _published_at() -> Iterator[dict[str, float]]:
-    """While the block runs, the time.time() at which the background publisher had the broker's
-    reply to each run's batch (its pipeline answered), by run id: an upper bound of when the
-    message reached the broker, since the thread needs the GIL to read the reply."""
+def _published_at() -> Iterator[tuple[dict[str, float], set[str]]]:
+    """While the block runs: the time.time() at which the background publisher had the broker's
+    reply to each run's batch (its pipeline answered), by run id, an upper bound of when the
+    message reached the broker, since the thread needs the GIL to read the reply; and the run ids
+    whose message the caller's thread wrote itself (a direct write: in Redis as the call returns)."""
     from durable.tasks import publishing
 
     published: dict[str, float] = {}
-    publish_batch = publishing._publish_batch
+    written: set[str] = set()
+    publish_batch, write = publishing._publish_batch, publishing._Session.write
 
     def timed(app: Any, messages: list[Any]) -> None:
         publish_batch(app, messages)
@@ -503,11 +523,17 @@ def _published_at() -> Iterator[dict[str, float]]:
         for m in messages:
             published[m.run_id] = now
 
-    publishing._publish_batch = timed
+    def noted(session: Any, m: Any, wake: Any) -> bool:
+        done = write(session, m, wake)
+        if done:
+            written.add(m.run_id)
+        return done
+
+    publishing._publish_batch, publishing._Session.write = timed, noted
     try:
-        yield published
+        yield published, written
     finally:
-        publishing._publish_batch = publish_batch
+        publishing._publish_batch, publishing._Session.write = publish_batch, write
 
 
 def _timed(call: Callable[[], Any], seconds: float, barrier: Any) -> Iterator[tuple[Any, int]]:

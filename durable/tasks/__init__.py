@@ -4,10 +4,11 @@ imports Celery; the engine (``durable.runtime``) knows it through the
 ``Dispatcher`` contract.
 
 The modules: ``workers`` (the tasks, what a worker does as it comes up, the sweep's
-beat entry), ``sending`` (``CeleryDispatcher`` and the sends after a commit) and
-``publishing`` (the background publisher, ``publisher``). Importing this package
-registers the tasks (``app.autodiscover_tasks()`` does); use the names below.
-All three log as ``durable.tasks``.
+beat entry), ``sending`` (``CeleryDispatcher`` and the sends after a commit),
+``publishing`` (the background publisher, ``publisher``) and ``direct`` (the Redis
+connection a starting thread writes its message on, the publisher reading the
+replies). Importing this package registers the tasks (``app.autodiscover_tasks()``
+does); use the names below. All of them log as ``durable.tasks``.
 """
 
 from __future__ import annotations

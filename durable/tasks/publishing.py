@@ -2,8 +2,10 @@
 
 ``durable.tasks.publisher`` (this module's ``publisher``) publishes the message of a
 start, a hand-off or a recovery after the commit, from a thread of the process, in
-batches through a producer it keeps (one Redis pipeline a batch with kombu 5.7+); the
-run row is the outbox, so a message lost here is sent again by the sweeper. The tasks
+batches through a producer it keeps (one Redis pipeline a batch with kombu 5.7+), or,
+once it has the message's template, lets the committing thread write it to Redis
+itself (``durable.tasks.direct``) and reads the reply; the run row is the outbox, so a
+message lost here is sent again by the sweeper. The tasks
 themselves are in ``durable.tasks.workers``, the dispatcher that hands the messages
 over in ``durable.tasks.sending``.
 """
@@ -24,6 +26,7 @@ import queue as _queue_module
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from celery import Celery, signals
@@ -35,6 +38,7 @@ from kombu.exceptions import OperationalError
 
 from durable import conf
 from durable.conf import settings
+from durable.tasks.direct import DirectWriter
 from durable.tasks.workers import EXECUTE_TASK
 
 logger = logging.getLogger("durable.tasks")  # the package's logger, as documented
@@ -85,6 +89,9 @@ class _Flush:
         self.done = threading.Event()
 
 
+#: In the publisher's queue: callers wrote messages directly (``_Session.write``), read the replies.
+_WRITTEN = object()
+
 #: Most messages one batch of the publisher takes from its queue before publishing them.
 PUBLISH_BATCH = 500
 
@@ -100,7 +107,10 @@ AT_ONCE_AFTER_IDLE_WAITS = 16
 class Publisher:
     """Publishes the run messages of this process from a background thread.
 
-    ``submit`` (the on-commit callback of a start, on the caller's thread) only puts
+    ``submit`` (the on-commit callback of a start, on the caller's thread) writes the
+    message to Redis itself when its destination has a verified template and the
+    thread's session has a direct connection (``_Session.write``,
+    ``durable.tasks.direct``: the thread then only reads the reply); else it puts
     the message on an in-process queue. A daemon thread takes everything waiting
     (at most ``PUBLISH_BATCH``), publishes it through a producer of the Celery
     app's pool that it keeps from batch to batch (``_Session``: in one Redis
@@ -129,7 +139,7 @@ class Publisher:
     made once (``app_conf``: ``app.amqp.create_task_message``). On Redis with
     kombu 5.7 or later, once kombu wrote two messages of a destination (its
     route), the next ones are rendered from the text it wrote (``_Template``),
-    and go in the batch's pipeline with it. Celery's
+    by the caller (a direct write) or in the batch's pipeline. Celery's
     ``before_task_publish`` and ``after_task_publish`` are sent when they have
     receivers, in a copy of the caller's ``contextvars`` context (tracing
     integrations see the caller's span); ``after_task_publish`` once the batch
@@ -147,7 +157,7 @@ class Publisher:
         """Forget the thread and the queue (of the parent, after a fork): the next message starts anew."""
         self._lock = threading.Lock()
         self._pid = 0
-        self._queue: _queue_module.SimpleQueue[_Message | _Flush] = _queue_module.SimpleQueue()
+        self._queue: _queue_module.SimpleQueue[_Message | _Flush | object] = _queue_module.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     def submit(self, app: Celery, run_id: str, task_id: str, queue: str | None) -> None:
@@ -161,7 +171,19 @@ class Publisher:
             root_id = parent.request.root_id or parent_id
         listened = signals.before_task_publish.receivers or signals.after_task_publish.receivers
         context = contextvars.copy_context() if listened else None
-        self._queue.put(_Message(app, run_id, task_id, queue, root_id, parent_id, context))
+        m = _Message(app, run_id, task_id, queue, root_id, parent_id, context)
+        session = _sessions.get(app) if context is None else None
+        if session is None or not session.write(m, self._written):
+            self._queue.put(m)
+
+    def _written(self) -> None:
+        """(``DirectWriter.write``) Wake the thread to read the replies to what callers wrote."""
+        self._queue.put(_WRITTEN)
+
+    def again(self, messages: list[_Message]) -> None:
+        """(The thread.) Publish ``messages`` in a next batch: written directly, not confirmed."""
+        for m in messages:
+            self._queue.put(m)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every message submitted before this call is published (or
@@ -176,28 +198,34 @@ class Publisher:
         with self._lock:
             if self._pid == os.getpid():
                 return
-            queue: _queue_module.SimpleQueue[_Message | _Flush] = _queue_module.SimpleQueue()
+            queue: _queue_module.SimpleQueue[_Message | _Flush | object] = _queue_module.SimpleQueue()
             thread = threading.Thread(target=self._serve, args=(queue,), name="durable-publisher", daemon=True)
             thread.start()
             self._queue, self._thread = queue, thread
             self._pid = os.getpid()  # last: a submit that sees it finds the new queue
 
-    def _serve(self, queue: _queue_module.SimpleQueue[_Message | _Flush]) -> None:
+    def _serve(self, queue: _queue_module.SimpleQueue[_Message | _Flush | object]) -> None:
         pacing = _Pacing()
         while True:
             items = [queue.get()]
-            waited = isinstance(items[0], _Message) and pacing.wait()
+            waited = not isinstance(items[0], _Flush) and pacing.wait()
             with contextlib.suppress(_queue_module.Empty):
                 while len(items) < PUBLISH_BATCH:
                     items.append(queue.get_nowait())
             messages = [item for item in items if isinstance(item, _Message)]
+            handled = len(messages)
             try:
+                if any(item is _WRITTEN for item in items):
+                    flushing = any(isinstance(item, _Flush) for item in items)
+                    again, confirmed = _collect(queue, everything=flushing)
+                    messages += again
+                    handled += confirmed
                 for app, group in itertools.groupby(messages, key=lambda m: m.app):
                     _publish(app, list(group))
             except BaseException:  # the thread must live on: the sweeper covers what was lost
                 logger.exception("The durable publisher failed; the sweeper sends the pending runs again.")
-            if messages:
-                pacing.sent(len(messages), waited)
+            if handled:
+                pacing.sent(handled, waited)
             for item in items:
                 if isinstance(item, _Flush):
                     item.done.set()
@@ -413,6 +441,11 @@ class _Session:
         self.templates: dict[tuple[Any, ...], _Template | None] = {}
         self.tries: dict[tuple[Any, ...], int] = {}
         self.source: tuple[Any, ...] = ()
+        #: The connection callers write templated messages on (``durable.tasks.direct``), once
+        #: a template is verified; another is opened ``WRITER_AGAIN_AFTER`` seconds after one failed.
+        self.writer: DirectWriter | None = None
+        self.writer_at = 0.0  # monotonic time before which no writer is opened
+        self.prefix = ""  # kombu's global_keyprefix, which the writer adds to a template's key
 
     def made_from(self, *source: Any) -> None:
         """Forget the templates when what Celery's part of a message is made from changed
@@ -424,6 +457,53 @@ class _Session:
 
     def serves(self, app: Celery) -> bool:
         return app is self.app and app.producer_pool is self.pool
+
+    def write(self, m: _Message, wake: Callable[[], None]) -> bool:
+        """(A caller's thread.) Render ``m`` from its destination's verified template and write it
+        on the session's direct connection (``DirectWriter.write``); False when it is not written
+        that way (no writer, no template, or Celery's part of the message changed since the
+        thread last looked): the thread publishes it."""
+        writer, app = self.writer, m.app
+        if writer is None or not DIRECT_WRITES or not self.serves(app):
+            return False
+        conf = app_conf(app)
+        if conf.sent_event or conf.defaults.compression or (conf.headers, conf.properties, conf.embed) != self.source:
+            return False
+        routed = _routed(app, conf, m)
+        template = self.template(routed.destination())
+        if template is None:
+            return False
+        payload = template.render(m, routed.argsrepr, str(uuid.uuid4()))
+        return writer.write(self.prefix + template.key, payload, m, wake)
+
+    def open_writer(self) -> None:
+        """(The publisher's thread, after a batch.) Open the direct connection once a template is
+        verified, unless one is open or failed less than ``WRITER_AGAIN_AFTER`` seconds ago."""
+        if self.writer is not None or not DIRECT_WRITES or time.monotonic() < self.writer_at:
+            return
+        if not any(template is not None and template.verified for template in self.templates.values()):
+            return
+        self.writer_at = time.monotonic() + WRITER_AGAIN_AFTER
+        channel = self.producer.channel
+        self.prefix = str(getattr(channel, "global_keyprefix", "") or "")
+        try:
+            self.writer = DirectWriter.open(channel)
+        except Exception as exc:  # tried again WRITER_AGAIN_AFTER seconds later
+            logger.debug("durable: no direct connection to the broker (%s: %s)", type(exc).__name__, exc)
+            return
+        if self.writer is None:
+            self.writer_at = math.inf  # not for this broker or process: never tried again in this session
+
+    def collect(self, everything: bool) -> tuple[list[_Message], bool]:
+        """(The publisher's thread.) ``DirectWriter.collect`` of the session's writer; a writer it
+        gave up is forgotten (another opens ``WRITER_AGAIN_AFTER`` seconds later)."""
+        writer = self.writer
+        if writer is None:
+            return [], False
+        again, more = writer.collect(everything)
+        if writer.broken:
+            self.writer, self.writer_at = None, time.monotonic() + WRITER_AGAIN_AFTER
+        return again, more
 
     def pipeline(self) -> Any:
         """The Redis pipeline of kombu's open publish batch (kombu 5.7's Redis transport), or
@@ -500,9 +580,12 @@ class _Session:
         if pipeline is not None and pipeline.command_stack:
             pipeline.execute()  # kombu buffered none of its own: it left the pipeline to us
 
-    def close(self) -> None:
+    def close(self) -> list[_Message]:
         """Drop the batch (what it holds unsent is given up: the caller logs it) and hand the
-        producer back to the pool with its connection closed (the next one connects anew)."""
+        producer back to the pool with its connection closed (the next one connects anew).
+        Returns the messages written directly whose replies were not read (to publish again)."""
+        left = self.writer.close() if self.writer is not None else []
+        self.writer = None
         if self.batch is not None:
             with contextlib.suppress(Exception):
                 self.batch.__exit__(RuntimeError, RuntimeError("publish failed"), None)  # discards, never flushes
@@ -510,6 +593,7 @@ class _Session:
             self.producer.connection.close()
         with contextlib.suppress(Exception):
             self.producer.release()
+        return left
 
 
 #: The publisher thread's sessions, by app (only that thread uses them; a forked child starts without).
@@ -520,11 +604,29 @@ def _session(app: Celery) -> _Session:
     session = _sessions.get(app)
     if session is not None and not session.serves(app):
         del _sessions[app]  # first: if setting up the next one fails, this one is never used again
-        session.close()
+        publisher.again(session.close())
         session = None
     if session is None:
         session = _sessions[app] = _Session(app)
     return session
+
+
+def _collect(queue: _queue_module.SimpleQueue[_Message | _Flush | object], everything: bool) -> tuple[list[_Message], int]:
+    """(The thread.) Read the replies to the messages callers wrote directly, for every session
+    (all of them when ``everything``: a flush waits): the messages to publish through kombu
+    (refused, or not confirmed by a connection that failed) and how many replies were read.
+    Wakes itself again for the replies still to read."""
+    again: list[_Message] = []
+    read = 0
+    for session in list(_sessions.values()):
+        writer = session.writer
+        before = len(writer.written) if writer is not None else 0
+        refused, more = session.collect(everything)
+        again += refused
+        read += before - len(writer.written) if writer is not None else 0
+        if more:
+            queue.put(_WRITTEN)
+    return again, read
 
 
 def _forget_sessions() -> None:
@@ -535,15 +637,8 @@ def _forget_sessions() -> None:
 def _publish_batch(app: Celery, messages: list[_Message]) -> None:
     """Through the thread's session for ``app`` (one Redis pipeline per batch with kombu 5.7+),
     from one template message; a failure closes the session and is raised to ``_publish``."""
-    amqp, conf = app.amqp, app_conf(app)
-    task, options, headers, properties, embed, defaults = (
-        conf.task,
-        conf.options,
-        conf.headers,
-        conf.properties,
-        conf.embed,
-        conf.defaults,
-    )
+    conf = app_conf(app)
+    headers, properties, embed, defaults = conf.headers, conf.properties, conf.embed, conf.defaults
     published: list[tuple[_Message, dict[str, Any], Any, str]] = []
     written: dict[str, list[str]] = {}  # by LPUSH key, the messages rendered from templates
     session = _session(app)
@@ -553,14 +648,8 @@ def _publish_batch(app: Celery, messages: list[_Message]) -> None:
         with producer.connection._reraise_as_library_errors():
             for m in messages:
                 args = (m.run_id,)
-                wanted = dict(options, queue=m.queue) if m.queue else dict(options)
-                route = amqp.router.route(wanted, EXECUTE_TASK, args, {}, task)
-                exchange, routing_key, delivery_mode, queue = _destination(amqp, route, defaults)
-                argsrepr = repr(args)
-                if len(argsrepr) > amqp.argsrepr_maxsize:
-                    argsrepr = saferepr(args, amqp.argsrepr_maxsize)
-                # What the message's text depends on, besides the run: its route.
-                destination = (getattr(exchange, "name", exchange), routing_key, delivery_mode, route.get("priority"))
+                exchange, routing_key, delivery_mode, queue, priority, argsrepr = routed = _routed(app, conf, m)
+                destination = routed.destination()
                 templated = m.context is None and not defaults.compression  # else kombu builds it, always
                 template = session.template(destination) if templated else None
                 if template is not None:
@@ -573,8 +662,8 @@ def _publish_batch(app: Celery, messages: list[_Message]) -> None:
                 h["id"], h["root_id"], h["parent_id"] = m.task_id, m.root_id or m.task_id, m.parent_id
                 h["argsrepr"] = argsrepr
                 props = dict(properties, correlation_id=m.task_id)
-                if route.get("priority") is not None:
-                    props["priority"] = route["priority"]
+                if priority is not None:
+                    props["priority"] = priority
                 message_body: tuple[Any, ...] = (args, {}, embed)
                 if m.context is not None and signals.before_task_publish.receivers:
                     m.context.run(
@@ -605,9 +694,10 @@ def _publish_batch(app: Celery, messages: list[_Message]) -> None:
                 if learning:
                     session.learn(destination, m, argsrepr, stacked)
             session.flush(written)
+            session.open_writer()
     except BaseException:
         _sessions.pop(app, None)
-        session.close()
+        publisher.again(session.close())
         raise
     for m, h, exchange, routing_key in published:  # the batch reached the broker
         if m.context is not None and signals.after_task_publish.receivers:
@@ -627,6 +717,11 @@ TEMPLATE_TRIES = 3
 TEMPLATE_DESTINATIONS = 64
 #: False: every message is built by Celery and kombu (bench section (a) compares).
 TEMPLATES = True
+#: False: the caller never writes a message itself; every one goes through the publisher's
+#: thread (bench sections (a) and (f) compare).
+DIRECT_WRITES = True
+#: Seconds after a direct connection failed before the session opens another.
+WRITER_AGAIN_AFTER = 1.0
 
 #: Where a template takes a message's own values: a JSON text never holds a NUL character.
 _BODY, _TAG, _LINEAGE, _TASK_ID, _ARGSREPR, _RUN_ID = (f"\x00{mark}\x00" for mark in "BTLIAR")
@@ -691,6 +786,33 @@ def _json(value: str | None) -> str:
 def _lineage(m: _Message) -> str:
     """The root and parent ids in a message's headers, as Celery orders them and kombu writes them."""
     return f'"root_id": {_json(m.root_id or m.task_id)}, "parent_id": {_json(m.parent_id)}'
+
+
+class _Routed(NamedTuple):
+    """Where Celery's router sends a run's message, and its ``argsrepr``."""
+
+    exchange: Any
+    routing_key: Any
+    delivery_mode: Any
+    queue: Any  # to declare, or None
+    priority: Any
+    argsrepr: str
+
+    def destination(self) -> tuple[Any, ...]:
+        """What the message's text depends on, besides the run: its route (a template's key)."""
+        return (getattr(self.exchange, "name", self.exchange), self.routing_key, self.delivery_mode, self.priority)
+
+
+def _routed(app: Celery, conf: _AppConf, m: _Message) -> _Routed:
+    """Route ``m`` as ``apply_async`` would (the app's routers, its queues)."""
+    amqp, args = app.amqp, (m.run_id,)
+    wanted = dict(conf.options, queue=m.queue) if m.queue else dict(conf.options)
+    route = amqp.router.route(wanted, EXECUTE_TASK, args, {}, conf.task)
+    exchange, routing_key, delivery_mode, queue = _destination(amqp, route, conf.defaults)
+    argsrepr = repr(args)
+    if len(argsrepr) > amqp.argsrepr_maxsize:
+        argsrepr = saferepr(args, amqp.argsrepr_maxsize)
+    return _Routed(exchange, routing_key, delivery_mode, queue, route.get("priority"), argsrepr)
 
 
 def _destination(amqp: Any, route: dict[str, Any], defaults: _Defaults) -> tuple[Any, Any, Any, Any]:

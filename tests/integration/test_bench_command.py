@@ -167,7 +167,10 @@ def test_start_rate_section_dispatches_to_redis_and_prints_the_shortcut_apart() 
     assert row(lines, "a", "ratio dispatch/raw, 1 proc", r"\d+\.\d\dx")
     sync = "option: Wf.dispatch, message sent on the caller's thread (PUBLISH_IN_BACKGROUND off), 1 proc"
     assert row(lines, "a", sync, r"[\d,]+ /s")
-    unbatched = "option: Wf.dispatch, each batch at once (PUBLISH_BATCH_INTERVAL 0), 1 proc"
+    threaded = "option: Wf.dispatch, each message through the publisher's thread (no direct writes), 1 proc"
+    assert row(lines, "a", threaded, r"[\d,]+ /s")
+    assert row(lines, "a", "ratio dispatch/option through the publisher's thread, 1 proc", r"\d+\.\d\dx")
+    unbatched = "option: Wf.dispatch through the publisher's thread, each batch at once (PUBLISH_BATCH_INTERVAL 0), 1 proc"
     assert row(lines, "a", unbatched, r"[\d,]+ /s")
     assert row(lines, "a", "ratio dispatch/option each batch at once, 1 proc", r"\d+\.\d\dx")
     kombus = "option: Wf.dispatch, each message built by kombu (no templates), 1 proc"
@@ -177,14 +180,14 @@ def test_start_rate_section_dispatches_to_redis_and_prints_the_shortcut_apart() 
     assert row(lines, "a", prepared, r"[\d,]+ /s")
     assert row(lines, "a", "ratio dispatch/option prepared statements, 1 proc", r"\d+\.\d\dx")
     # Every message sent reached the broker's queue (nothing consumed it) by the end of its
-    # round, in the five rounds (the background publisher's with and without its batch
-    # interval, without its templates, and on a connection with prepared statements, and the
-    # caller's thread's); then removed.
+    # round, in the six rounds (written by the caller, the background publisher's thread's with
+    # and without its batch interval, without its templates, on a connection with prepared
+    # statements, and apply_async's on the caller's thread); then removed.
     [note] = [line for line in lines if "messages in the Redis queue" in line]
     found = re.search(r"queue (?P<queue>\S+) after each round [^:]*: (?P<rounds>.*)$", note)
     assert found is not None, note
     rounds = re.findall(r"(\d+(?:,\d{3})*) of (\d+(?:,\d{3})*)", found["rounds"])
-    assert len(rounds) == 5, note
+    assert len(rounds) == 6, note
     assert all(length == sent and int(sent.replace(",", "")) > 0 for length, sent in rounds), note
     assert redis.Redis.from_url(broker).llen(found["queue"]) == 0
     raw, procrastinate = targets(lines)
@@ -205,15 +208,24 @@ def test_dispatch_to_first_step_section_runs_workers_and_prints_latencies_agains
 
     configurations = [f"{pool}, {db}" for pool in ("threads", "prefork") for db in ("per task", "pooled")]
     option = "threads, per task, KEEP_WORKER_CONNECTION off"  # an extra configuration, without a target
-    for label in [*configurations, option]:
+    threaded = ", each message through the publisher's thread (no direct writes)"
+    busy = ", the sender computing 2 ms after each call"
+    for label in [*configurations, option, f"threads, pooled{busy}"]:
+        found = row(lines, "f", f"dispatch -> first step p50 / p99, {label}", r"[\d.]+ ms / [\d.]+ ms")
+        assert found
+        # The caller wrote each measured message itself (the first two, warming up, taught the template).
+        assert found.string.endswith("message written by the caller for 3 of 3"), found.string
+        assert row(lines, "f", f"bare task -> its write committed p50 / p99, {label}", r"[\d.]+ ms / [\d.]+ ms")
+    for label in [f"threads, pooled{threaded}", f"threads, pooled{busy}{threaded}"]:
         found = row(lines, "f", f"dispatch -> first step p50 / p99, {label}", r"[\d.]+ ms / [\d.]+ ms")
         assert found
         # The background publisher's hop, measured for every dispatch sample.
-        hop = r"the publisher read the broker's reply to its batch p50 -?[\d.]+ ms after the call returned$"
-        assert re.search(hop, found.string)
-        assert row(lines, "f", f"bare task -> its write committed p50 / p99, {label}", r"[\d.]+ ms / [\d.]+ ms")
+        hop = r"for 0 of 3; through the publisher's thread: it read the broker's reply to its batch p50 -?[\d.]+ ms after"
+        assert re.search(hop, found.string), found.string
+        assert row(lines, "f", f"ratio dispatch -> first step / bare task p50, {label}", r"[\d.]+x")
     # When the message reached the queue, stamped by a listener in the benchmark's own process.
     senders = ["the sender waiting after each call"] + [f"the sender computing {ms} ms after each call" for ms in (2, 10, 30)]
+    senders += [f"the sender waiting after each call{threaded}", f"the sender computing 2 ms after each call{threaded}"]
     for sender in senders:
         label = f"dispatch's message in the queue after the call returned p50 / p90, {sender}"
         found = row(lines, "f", label, r"-?[\d.]+ ms / -?[\d.]+ ms")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -71,6 +72,13 @@ def _ids(headers: list[dict[str, Any]]) -> list[str]:
 
 def _engine() -> Engine:
     return Engine(DjangoStore(), dispatch=CeleryDispatcher())
+
+
+@pytest.fixture
+def through_the_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every message goes through the publisher's thread: no caller writes one itself
+    (``publishing.DIRECT_WRITES``), for the tests of the thread's batches."""
+    monkeypatch.setattr(publishing, "DIRECT_WRITES", False)
 
 
 def test_a_start_returns_before_its_message_is_published_then_the_message_is_published(queue: str) -> None:
@@ -413,7 +421,7 @@ def test_a_run_id_found_elsewhere_in_its_message_gives_no_template(queue: str) -
 
 
 def test_the_session_is_kept_between_batches_and_set_up_again_after_a_failure(
-    queue: str, monkeypatch: pytest.MonkeyPatch
+    queue: str, through_the_thread: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     e = _engine()
     first = e.start("test.add", add_input("s1")).run_id
@@ -493,7 +501,7 @@ def _batches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, list[str]]]:
 
 
 def test_messages_soon_after_a_batch_wait_for_the_interval_and_go_out_together(
-    queue: str, settings: Any, monkeypatch: pytest.MonkeyPatch
+    queue: str, settings: Any, through_the_thread: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     interval = 1.0  # the longest allowed: long beside the starts of the burst, even on a slow machine
     settings.DURABLE = {**settings.DURABLE, "PUBLISH_BATCH_INTERVAL": interval}
@@ -512,7 +520,7 @@ def test_messages_soon_after_a_batch_wait_for_the_interval_and_go_out_together(
 
 
 def test_a_chain_of_messages_each_sent_after_the_last_was_published_waits_once_in_a_while(
-    queue: str, settings: Any, monkeypatch: pytest.MonkeyPatch
+    queue: str, settings: Any, through_the_thread: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A worker's chain of hand-offs: each message comes only once the one before was published
     (its run ran and ended), so a wait for the interval gathers nothing and only slows it down."""
@@ -544,7 +552,7 @@ def test_a_chain_of_messages_each_sent_after_the_last_was_published_waits_once_i
 
 
 def test_with_no_interval_a_message_right_after_a_batch_goes_at_once(
-    queue: str, settings: Any, monkeypatch: pytest.MonkeyPatch
+    queue: str, settings: Any, through_the_thread: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settings.DURABLE = {**settings.DURABLE, "PUBLISH_BATCH_INTERVAL": 0}
     slept: list[float] = []
@@ -664,3 +672,212 @@ def test_a_forked_child_publishes_through_a_publisher_of_its_own(queue: str) -> 
     child, parents = done.stdout.splitlines()
     run_ids = [child, *parents.split()]
     assert _ids(_drain(queue)) == sorted(tasks.task_id(run_id, 0) for run_id in run_ids)
+
+
+# -- direct writes: the caller writes a templated message itself, the thread reads the reply --
+def _learned(e: Engine) -> tuple[Any, list[str]]:
+    """A new session of the publisher's thread whose template for the test's queue is verified
+    and whose direct connection is open: two starts, their messages built by kombu (the first
+    gives the template, the second checks it). The session and the two run ids.
+
+    The session of before is retired: its producer no longer the app's, the thread closes it
+    and sets up another as it publishes the first of the two (kombu's publish batch is the
+    thread's that opened it, so only that thread may close it)."""
+    assert tasks.publisher.flush(timeout=10)
+    retired = publishing._sessions.get(celery_app)
+    if retired is not None:
+        retired.pool = None
+    learners = [e.start("test.add", add_input(f"learn{n}")).run_id for n in range(2)]
+    assert tasks.publisher.flush(timeout=10)
+    session = publishing._sessions[celery_app]
+    assert session is not retired and session.writer is not None and not session.writer.broken
+    return session, learners
+
+
+def _task_ids(*run_ids: str) -> list[str]:
+    return sorted(tasks.task_id(run_id, 0) for run_id in run_ids)
+
+
+def test_once_a_template_is_verified_the_caller_writes_the_message_before_the_start_returns(
+    queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    e = _engine()
+    session, learners = _learned(e)
+    batches = _batches(monkeypatch)
+    reading, release = threading.Event(), threading.Event()
+    collect = publishing._collect
+
+    def held(queue: Any, everything: bool) -> Any:  # the thread, woken to read the replies, is held
+        reading.set()
+        release.wait(30)
+        return collect(queue, everything)
+
+    monkeypatch.setattr(publishing, "_collect", held)
+    client = redis.Redis.from_url(str(celery_app.conf.broker_url))
+    run_ids = []
+    try:
+        for n in range(3):
+            run_ids.append(e.start("test.add", add_input(f"d{n}")).run_id)
+            assert client.llen(queue) == len(learners) + n + 1  # in Redis when the start returned
+        assert reading.wait(10)
+        assert list(session.writer.written) != [] and not tasks.publisher.flush(timeout=0.2)
+    finally:
+        release.set()
+        client.close()
+    assert tasks.publisher.flush(timeout=10)  # the replies read: flush waits for them
+    assert not session.writer.written and not session.writer.signalled
+    assert batches == []  # the thread published none of the three
+    assert _ids(_drain(queue)) == _task_ids(*learners, *run_ids)
+
+
+def test_a_message_the_caller_writes_is_the_text_kombu_writes(queue: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    e = _engine()
+    _learned(e)
+    _texts([queue])
+    run_id = e.start("test.add", add_input("t")).run_id
+    assert tasks.publisher.flush(timeout=10)
+    [written] = _texts([queue])[queue]
+    m = publishing._Message(celery_app, run_id, tasks.task_id(run_id, 0), queue, None, None, None)
+    with monkeypatch.context() as patched:
+        patched.setattr(publishing._Session, "template", lambda self, destination: None)
+        publishing._publish(celery_app, [m])
+    [kombus] = _texts([queue])[queue]
+    assert _untagged(written) == _untagged(kombus)
+
+
+def test_with_a_global_key_prefix_the_caller_writes_to_kombus_key(queue: str) -> None:
+    options = {"global_keyprefix": "prefixed:"}
+    with _app("durable-direct-prefix", broker_url=celery_app.conf.broker_url, broker_transport_options=options) as app:
+        publishing._publish(app, _messages(app, 2, queue))  # a template, checked; the writer opens
+        session = publishing._sessions[app]
+        assert session.writer is not None and session.prefix == "prefixed:"
+        _texts([f"prefixed:{queue}"])
+        [m] = _messages(app, 1, queue)
+        assert session.write(m, lambda: None)
+        assert session.collect(everything=True) == ([], False)  # the reply read: confirmed
+        [text] = _texts([f"prefixed:{queue}"])[f"prefixed:{queue}"]
+        assert json.loads(text)["headers"]["id"] == m.task_id
+
+
+def test_a_message_redis_refuses_on_the_direct_connection_goes_through_kombu(queue: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    e = _engine()
+    session, learners = _learned(e)
+    client = redis.Redis.from_url(str(celery_app.conf.broker_url))
+    try:
+        client.set(f"refused:{queue}", "not a list")
+        monkeypatch.setattr(session, "prefix", "refused:")  # each LPUSH gets WRONGTYPE
+        run_ids = [e.start("test.add", add_input(f"r{n}")).run_id for n in range(3)]
+        assert tasks.publisher.flush(timeout=10)
+        assert client.get(f"refused:{queue}") == b"not a list"
+    finally:
+        client.delete(f"refused:{queue}")
+        client.close()
+    assert session.writer is not None and not session.writer.broken  # an error reply is no broken connection
+    assert _ids(_drain(queue)) == _task_ids(*learners, *run_ids)
+
+
+def test_a_direct_connection_lost_loses_no_message_and_another_is_opened(
+    queue: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(publishing, "WRITER_AGAIN_AFTER", 0.0)
+    caplog.set_level(logging.INFO, logger="durable.tasks")
+    e = _engine()
+    session, learners = _learned(e)
+    lost = session.writer
+    host, port = lost.sock.getsockname()[:2]
+    client = redis.Redis.from_url(str(celery_app.conf.broker_url))
+    try:
+        assert client.client_kill(f"{host}:{port}")  # as a restart or a proxy would
+    finally:
+        client.close()
+    run_ids = [e.start("test.add", add_input(f"k{n}")).run_id for n in range(5)]
+    assert tasks.publisher.flush(timeout=10)
+    assert lost.broken and session.writer is not lost
+    assert "the direct connection to the broker failed" in caplog.text
+    after = [e.start("test.add", add_input(f"a{n}")).run_id for n in range(3)]
+    assert tasks.publisher.flush(timeout=10)
+    assert session.writer is not None and session.writer is not lost and not session.writer.broken
+    # Each run's message is there; one that reached Redis before the reply was lost may be there twice.
+    sent = _ids(_drain(queue))
+    assert sorted(set(sent)) == _task_ids(*learners, *run_ids, *after)
+
+
+class _Half:
+    """A socket that takes half of what is sent at once (as a full send buffer would)."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock = sock
+
+    def send(self, data: bytes, flags: int = 0) -> int:
+        return int(self.sock.send(data[: len(data) // 2], flags))
+
+
+def test_a_write_the_socket_does_not_take_whole_goes_through_the_thread(queue: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(publishing, "WRITER_AGAIN_AFTER", 0.0)
+    e = _engine()
+    session, learners = _learned(e)
+    half = session.writer
+    monkeypatch.setattr(half, "sock", _Half(half.sock))
+    batches = _batches(monkeypatch)
+    cut = e.start("test.add", add_input("cut")).run_id
+    assert tasks.publisher.flush(timeout=10)
+    assert half.broken and [ids for _, ids in batches] == [[cut]]  # the thread published it through kombu
+    again = e.start("test.add", add_input("again")).run_id  # on the connection opened since
+    assert tasks.publisher.flush(timeout=10)
+    assert session.writer is not half and [ids for _, ids in batches] == [[cut]]
+    # Redis dropped the half command with its connection: each message once.
+    assert _ids(_drain(queue)) == _task_ids(*learners, cut, again)
+
+
+def test_many_threads_writing_at_once_each_run_gets_exactly_one_message(queue: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    e = _engine()
+    session, learners = _learned(e)
+    batches = _batches(monkeypatch)
+    threads, per_thread = 8, 25
+    barrier = threading.Barrier(threads)
+
+    def starts(i: int) -> list[str]:
+        mine = _engine()
+        barrier.wait(timeout=30)
+        return [mine.start("test.add", add_input(f"w{i}-{j}")).run_id for j in range(per_thread)]
+
+    workers = [started(lambda i=i: starts(i)) for i in range(threads)]
+    run_ids = [run_id for w in workers for run_id in w.outcome()]
+    assert tasks.publisher.flush(timeout=60)
+    assert batches == []  # every message written by its caller's thread
+    assert not session.writer.written and not session.writer.broken
+    assert _ids(_drain(queue)) == _task_ids(*learners, *run_ids)
+
+
+def test_a_forked_child_never_writes_on_the_parents_direct_connection(queue: str) -> None:
+    done = _run_script(
+        queue,
+        """
+        ids = [start("learn0"), start("learn1")]
+        assert tasks.publisher.flush(30)
+        app = tasks.execute_run.app
+        writer = tasks.publishing._sessions[app].writer
+        assert writer is not None
+        pid = os.fork()
+        if pid == 0:  # the child: a session of its own, its parent's connection forgotten
+            code = 1
+            try:
+                child = start("child")
+                ok = tasks.publisher.flush(30) and tasks.publishing._sessions[app].writer is not writer
+                print(child, flush=True)
+                code = 0 if ok else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+        import gc
+        gc.collect()
+        ids += [start("after-fork0"), start("after-fork1")]
+        assert tasks.publisher.flush(30)
+        session = tasks.publishing._sessions[app]
+        assert session.writer is writer and not writer.broken and not writer.written, "the parent's connection"
+        print(" ".join(ids))
+        """,
+    )
+    child, parents = done.stdout.splitlines()
+    assert _ids(_drain(queue)) == _task_ids(child, *parents.split())
