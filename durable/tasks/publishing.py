@@ -445,6 +445,7 @@ class _Session:
         #: a template is verified; another is opened ``WRITER_AGAIN_AFTER`` seconds after one failed.
         self.writer: DirectWriter | None = None
         self.writer_at = 0.0  # monotonic time before which no writer is opened
+        self.writer_failures = 0  # connection attempts in a row that failed (each waits twice as long)
         self.prefix = ""  # kombu's global_keyprefix, which the writer adds to a template's key
 
     def made_from(self, *source: Any) -> None:
@@ -488,9 +489,12 @@ class _Session:
         self.prefix = str(getattr(channel, "global_keyprefix", "") or "")
         try:
             self.writer = DirectWriter.open(channel)
-        except Exception as exc:  # tried again WRITER_AGAIN_AFTER seconds later
+        except Exception as exc:  # tried again later, each failure in a row doubling the wait (at most 64x)
             logger.debug("durable: no direct connection to the broker (%s: %s)", type(exc).__name__, exc)
+            self.writer_failures += 1
+            self.writer_at = time.monotonic() + WRITER_AGAIN_AFTER * 2 ** min(self.writer_failures, 6)
             return
+        self.writer_failures = 0
         if self.writer is None:
             self.writer_at = math.inf  # not for this broker or process: never tried again in this session
 

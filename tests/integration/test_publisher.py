@@ -683,6 +683,12 @@ def _learned(e: Engine) -> tuple[Any, list[str]]:
     The session of before is retired: its producer no longer the app's, the thread closes it
     and sets up another as it publishes the first of the two (kombu's publish batch is the
     thread's that opened it, so only that thread may close it)."""
+    session, learners = _new_session(e)
+    assert session.writer is not None and not session.writer.broken
+    return session, learners
+
+
+def _new_session(e: Engine) -> tuple[Any, list[str]]:
     assert tasks.publisher.flush(timeout=10)
     retired = publishing._sessions.get(celery_app)
     if retired is not None:
@@ -690,7 +696,7 @@ def _learned(e: Engine) -> tuple[Any, list[str]]:
     learners = [e.start("test.add", add_input(f"learn{n}")).run_id for n in range(2)]
     assert tasks.publisher.flush(timeout=10)
     session = publishing._sessions[celery_app]
-    assert session is not retired and session.writer is not None and not session.writer.broken
+    assert session is not retired
     return session, learners
 
 
@@ -881,3 +887,31 @@ def test_a_forked_child_never_writes_on_the_parents_direct_connection(queue: str
     )
     child, parents = done.stdout.splitlines()
     assert _ids(_drain(queue)) == _task_ids(child, *parents.split())
+
+
+def test_a_direct_connection_that_cannot_be_opened_is_tried_again_later_and_no_message_waits_for_it(
+    queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    attempts: list[float] = []
+
+    def refused(channel: Any) -> None:
+        attempts.append(time.monotonic())
+        raise ConnectionError("connection refused")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(publishing.DirectWriter, "open", refused)
+        e = _engine()
+        session, learners = _new_session(e)
+        assert attempts and session.writer is None and session.writer_failures == 1
+        # The next try waits twice WRITER_AGAIN_AFTER; the thread publishes meanwhile.
+        assert session.writer_at - attempts[-1] == pytest.approx(2 * publishing.WRITER_AGAIN_AFTER, abs=0.1)
+        meanwhile = [e.start("test.add", add_input(f"m{n}")).run_id for n in range(3)]
+        assert tasks.publisher.flush(timeout=10)
+        assert len(attempts) == 1 and session.writer is None
+    session.writer_at = 0.0  # as if the wait was over: the next batch opens it
+    opening = e.start("test.add", add_input("o")).run_id
+    assert tasks.publisher.flush(timeout=10)
+    assert session.writer is not None and session.writer_failures == 0
+    written = e.start("test.add", add_input("w")).run_id
+    assert tasks.publisher.flush(timeout=10)
+    assert _ids(_drain(queue)) == _task_ids(*learners, *meanwhile, opening, written)
