@@ -675,6 +675,13 @@ def test_a_forked_child_publishes_through_a_publisher_of_its_own(queue: str) -> 
 
 
 # -- direct writes: the caller writes a templated message itself, the thread reads the reply --
+@pytest.fixture
+def at_once(settings: Any) -> None:
+    """Every message goes at once (``PUBLISH_BATCH_INTERVAL`` 0): each one the caller can write,
+    it writes, however soon after the last (a message that would wait goes with the thread's batch)."""
+    settings.DURABLE = {**settings.DURABLE, "PUBLISH_BATCH_INTERVAL": 0}
+
+
 def _learned(e: Engine) -> tuple[Any, list[str]]:
     """A new session of the publisher's thread whose template for the test's queue is verified
     and whose direct connection is open: two starts, their messages built by kombu (the first
@@ -704,6 +711,7 @@ def _task_ids(*run_ids: str) -> list[str]:
     return sorted(tasks.task_id(run_id, 0) for run_id in run_ids)
 
 
+@pytest.mark.usefixtures("at_once")
 def test_once_a_template_is_verified_the_caller_writes_the_message_before_the_start_returns(
     queue: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -736,6 +744,7 @@ def test_once_a_template_is_verified_the_caller_writes_the_message_before_the_st
     assert _ids(_drain(queue)) == _task_ids(*learners, *run_ids)
 
 
+@pytest.mark.usefixtures("at_once")
 def test_a_message_the_caller_writes_is_the_text_kombu_writes(queue: str, monkeypatch: pytest.MonkeyPatch) -> None:
     e = _engine()
     _learned(e)
@@ -765,6 +774,7 @@ def test_with_a_global_key_prefix_the_caller_writes_to_kombus_key(queue: str) ->
         assert json.loads(text)["headers"]["id"] == m.task_id
 
 
+@pytest.mark.usefixtures("at_once")
 def test_a_message_redis_refuses_on_the_direct_connection_goes_through_kombu(queue: str, monkeypatch: pytest.MonkeyPatch) -> None:
     e = _engine()
     session, learners = _learned(e)
@@ -782,6 +792,7 @@ def test_a_message_redis_refuses_on_the_direct_connection_goes_through_kombu(que
     assert _ids(_drain(queue)) == _task_ids(*learners, *run_ids)
 
 
+@pytest.mark.usefixtures("at_once")
 def test_a_direct_connection_lost_loses_no_message_and_another_is_opened(
     queue: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -818,6 +829,7 @@ class _Half:
         return int(self.sock.send(data[: len(data) // 2], flags))
 
 
+@pytest.mark.usefixtures("at_once")
 def test_a_write_the_socket_does_not_take_whole_goes_through_the_thread(queue: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(publishing, "WRITER_AGAIN_AFTER", 0.0)
     e = _engine()
@@ -835,6 +847,7 @@ def test_a_write_the_socket_does_not_take_whole_goes_through_the_thread(queue: s
     assert _ids(_drain(queue)) == _task_ids(*learners, cut, again)
 
 
+@pytest.mark.usefixtures("at_once")
 def test_many_threads_writing_at_once_each_run_gets_exactly_one_message(queue: str, monkeypatch: pytest.MonkeyPatch) -> None:
     e = _engine()
     session, learners = _learned(e)
@@ -889,6 +902,7 @@ def test_a_forked_child_never_writes_on_the_parents_direct_connection(queue: str
     assert _ids(_drain(queue)) == _task_ids(child, *parents.split())
 
 
+@pytest.mark.usefixtures("at_once")
 def test_a_direct_connection_that_cannot_be_opened_is_tried_again_later_and_no_message_waits_for_it(
     queue: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -915,3 +929,42 @@ def test_a_direct_connection_that_cannot_be_opened_is_tried_again_later_and_no_m
     written = e.start("test.add", add_input("w")).run_id
     assert tasks.publisher.flush(timeout=10)
     assert _ids(_drain(queue)) == _task_ids(*learners, *meanwhile, opening, written)
+
+
+def test_messages_that_come_fast_go_with_the_threads_batch_and_one_after_a_quiet_spell_is_written(
+    queue: str, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message the caller writes itself, unless it comes less than ``DIRECT_WRITES_APART`` after
+    the process's last one (a process starting runs fast): then it waits in the thread, for the rest
+    of ``PUBLISH_BATCH_INTERVAL`` since the last message went, and goes out with the others in one
+    pipeline: less CPU a message than a write each."""
+    interval = 1.0
+    settings.DURABLE = {**settings.DURABLE, "PUBLISH_BATCH_INTERVAL": interval}
+    monkeypatch.setattr(publishing, "DIRECT_WRITES_APART", interval / 2)  # the starts below are far closer
+    e = _engine()
+    session, learners = _learned(e)
+    time.sleep(interval)  # a quiet spell
+    batches = _batches(monkeypatch)
+    written = e.start("test.add", add_input("q")).run_id
+    burst = [e.start("test.add", add_input(f"b{n}")).run_id for n in range(4)]
+    assert tasks.publisher.flush(timeout=10)
+    assert [ids for _, ids in batches] == [burst]  # the first was written by its caller
+    time.sleep(interval)
+    alone = e.start("test.add", add_input("a")).run_id
+    assert tasks.publisher.flush(timeout=10)
+    assert [ids for _, ids in batches] == [burst] and not session.writer.written
+    assert _ids(_drain(queue)) == _task_ids(*learners, written, *burst, alone)
+
+
+def test_celerys_part_of_the_message_is_the_same_whichever_thread_reads_it_again(queue: str) -> None:
+    """``app_conf`` is read again every second by whichever thread asks first (a caller, or the
+    publisher's thread): what it makes a message from must not depend on the thread (Celery's
+    ``thread_oid``), or each such read would throw the templates away."""
+    e = _engine()
+    session, learners = _learned(e)
+    publishing._app_confs.clear()
+    started(lambda: publishing.app_conf(celery_app)).outcome()  # read again on a thread of its own
+    run_id = e.start("test.add", add_input("r")).run_id
+    assert tasks.publisher.flush(timeout=10)
+    assert [t.verified for t in _templates(session, queue)] == [True]
+    assert _ids(_drain(queue)) == _task_ids(*learners, run_id)
