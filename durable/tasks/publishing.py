@@ -271,22 +271,16 @@ class _Pacing:
     def write_now(self) -> bool:
         """(A caller's thread, for each message.) Whether the caller may write this message itself:
         the process's last message came at least ``DIRECT_WRITES_APART`` before (or the interval,
-        if shorter), or messages go at once after a chain's waits. Messages that come faster go to
-        the thread, which batches them."""
+        if shorter). Messages that come faster go to the thread, which batches them."""
         now = time.monotonic()
         last, self.last_submitted = self.last_submitted, now
-        return self.at_once > 0 or now - last >= min(DIRECT_WRITES_APART, conf.publish_batch_interval())
+        return now - last >= min(DIRECT_WRITES_APART, conf.publish_batch_interval())
 
     def wrote(self) -> None:
-        """(A caller's thread.) A message went at once, written by its caller: as a batch of one
-        that did not wait. (Callers and the thread may update these counts at once: they only
-        decide when messages wait, never whether one is sent.)"""
-        now = time.monotonic()
-        if now - self.last_batch >= conf.publish_batch_interval():
-            self.idle_waits = self.at_once = 0
-        elif self.at_once:
-            self.at_once = max(0, self.at_once - 1)
-        self.last_batch = now
+        """(A caller's thread.) A message went, written by its caller: as a batch of one, the
+        next batch waits out the interval from it. (Callers and the thread may both set these
+        times: they decide when a message waits, never whether it is sent.)"""
+        self.last_batch = time.monotonic()
 
     def before_collect(self) -> None:
         """(The thread.) Before reading the replies to what callers wrote: wait out the rest of the

@@ -471,19 +471,25 @@ def test_after_the_broker_was_unreachable_a_new_session_publishes(queue: str) ->
     assert tasks.task_id(lost, 0) not in sent
 
 
-def test_many_threads_starting_at_once_each_get_exactly_one_message(queue: str) -> None:
-    threads, per_thread = 8, 25
+def _started_from_many_threads(label: str, threads: int = 8, per_thread: int = 25) -> list[str]:
+    """``threads`` threads, released at once, each starting ``per_thread`` runs with its own
+    engine: the run ids, once the publisher has every message."""
     barrier = threading.Barrier(threads)
 
     def starts(i: int) -> list[str]:
         e = _engine()
         barrier.wait(timeout=30)
-        return [e.start("test.add", add_input(f"t{i}-{j}")).run_id for j in range(per_thread)]
+        return [e.start("test.add", add_input(f"{label}{i}-{j}")).run_id for j in range(per_thread)]
 
     workers = [started(lambda i=i: starts(i)) for i in range(threads)]
     run_ids = [run_id for w in workers for run_id in w.outcome()]
     assert tasks.publisher.flush(timeout=60)
     assert len(set(run_ids)) == threads * per_thread
+    return run_ids
+
+
+def test_many_threads_starting_at_once_each_get_exactly_one_message(queue: str) -> None:
+    run_ids = _started_from_many_threads("t")
     assert _ids(_drain(queue)) == sorted(tasks.task_id(run_id, 0) for run_id in run_ids)
 
 
@@ -852,17 +858,7 @@ def test_many_threads_writing_at_once_each_run_gets_exactly_one_message(queue: s
     e = _engine()
     session, learners = _learned(e)
     batches = _batches(monkeypatch)
-    threads, per_thread = 8, 25
-    barrier = threading.Barrier(threads)
-
-    def starts(i: int) -> list[str]:
-        mine = _engine()
-        barrier.wait(timeout=30)
-        return [mine.start("test.add", add_input(f"w{i}-{j}")).run_id for j in range(per_thread)]
-
-    workers = [started(lambda i=i: starts(i)) for i in range(threads)]
-    run_ids = [run_id for w in workers for run_id in w.outcome()]
-    assert tasks.publisher.flush(timeout=60)
+    run_ids = _started_from_many_threads("w")
     assert batches == []  # every message written by its caller's thread
     assert not session.writer.written and not session.writer.broken
     assert _ids(_drain(queue)) == _task_ids(*learners, *run_ids)
