@@ -108,11 +108,11 @@ class Publisher:
     """Publishes the run messages of this process from a background thread.
 
     ``submit`` (the on-commit callback of a start, on the caller's thread) writes the
-    message to Redis itself, unless messages come faster than ``DIRECT_WRITES_APART``
-    (``_Pacing.write_now``), when its
-    destination has a verified template and the thread's session has a direct
-    connection (``_Session.write``, ``durable.tasks.direct``: the thread then only
-    reads the reply); else it puts the message on an in-process queue. A daemon thread takes everything waiting
+    message to Redis itself when its destination has a verified template and the
+    thread's session has a direct connection (``_Session.write``,
+    ``durable.tasks.direct``: the thread then only reads the reply), unless messages
+    come faster than ``DIRECT_WRITES_APART`` (``_Pacing.write_now``); else it puts the
+    message on an in-process queue. A daemon thread takes everything waiting
     (at most ``PUBLISH_BATCH``), publishes it through a producer of the Celery
     app's pool that it keeps from batch to batch (``_Session``: in one Redis
     pipeline when kombu offers ``Producer.batch``), and waits for more: no broker
@@ -273,8 +273,9 @@ class _Pacing:
         the process's last message came at least ``DIRECT_WRITES_APART`` before (or the interval,
         if shorter). Messages that come faster go to the thread, which batches them."""
         now = time.monotonic()
-        last, self.last_submitted = self.last_submitted, now
-        return now - last >= min(DIRECT_WRITES_APART, conf.publish_batch_interval())
+        gap, self.last_submitted = now - self.last_submitted, now
+        # The interval (a settings lookup) matters only when it is the shorter of the two.
+        return gap >= DIRECT_WRITES_APART or gap >= conf.publish_batch_interval()
 
     def wrote(self) -> None:
         """(A caller's thread.) A message went, written by its caller: as a batch of one, the
@@ -514,7 +515,6 @@ class _Session:
             return
         if not any(template is not None and template.verified for template in self.templates.values()):
             return
-        self.writer_at = time.monotonic() + WRITER_AGAIN_AFTER
         channel = self.producer.channel
         self.prefix = str(getattr(channel, "global_keyprefix", "") or "")
         try:
