@@ -16,7 +16,6 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import cel
 from asgiref.sync import async_to_sync, sync_to_async
 
 from durable import conf, exceptions
@@ -470,6 +469,10 @@ def _compile_expression(expression: Any, option: str, variables: frozenset[str])
     """Compile the CEL of ``Concurrency(<option>=...)``, which may use ``variables`` only."""
     if not isinstance(expression, str) or not expression.strip():
         raise exceptions.InvalidStartError(f"Concurrency({option}=...) must be a CEL expression string, got {expression!r}.")
+    # Imported here: the package loads its command-line interface (prompt_toolkit) with it,
+    # about 0.2 s that a process declaring no CEL quota need not spend.
+    import cel
+
     try:
         program = cel.compile(expression)
     except ValueError as exc:

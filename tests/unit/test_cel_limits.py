@@ -325,3 +325,28 @@ def test_a_schedule_under_the_workflows_quota_needs_an_input_the_limit_computes_
         assert models.Schedule.objects.count() == 1
     finally:
         durable.engine.registry.unregister("test.cel_limit")
+
+
+def test_the_cel_package_is_imported_only_when_an_expression_is_compiled() -> None:
+    """``import cel`` loads the package's command-line interface (prompt_toolkit), about 0.2 s:
+    a process that sets Django up with durable, its tasks and its admin, and declares no CEL
+    quota, does not import it; the first expression declared does."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, django\n"
+        "django.setup()\n"
+        "import durable.tasks, durable.admin, durable.api\n"
+        "before = 'cel' in sys.modules\n"
+        "from durable import Concurrency\n"
+        "Concurrency(key=lambda input: 'k', limit=1)\n"
+        "plain = 'cel' in sys.modules\n"
+        "Concurrency(expression='input.group', limit=1)\n"
+        "print(before, plain, 'cel' in sys.modules)\n"
+    )
+    env = dict(os.environ, DJANGO_SETTINGS_MODULE="testproject.settings")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False", "True"]
