@@ -727,10 +727,10 @@ def test_once_a_template_is_verified_the_caller_writes_the_message_before_the_st
     reading, release = threading.Event(), threading.Event()
     collect = publishing._collect
 
-    def held(queue: Any, everything: bool) -> Any:  # the thread, woken to read the replies, is held
+    def held(pacing: Any, everything: bool) -> Any:  # the thread, come to read the replies, is held
         reading.set()
         release.wait(30)
-        return collect(queue, everything)
+        return collect(pacing, everything)
 
     monkeypatch.setattr(publishing, "_collect", held)
     client = redis.Redis.from_url(str(celery_app.conf.broker_url))
@@ -747,6 +747,36 @@ def test_once_a_template_is_verified_the_caller_writes_the_message_before_the_st
     assert tasks.publisher.flush(timeout=10)  # the replies read: flush waits for them
     assert not session.writer.written and not session.writer.signalled
     assert batches == []  # the thread published none of the three
+    assert _ids(_drain(queue)) == _task_ids(*learners, *run_ids)
+
+
+@pytest.mark.usefixtures("at_once")
+def test_the_thread_reads_the_replies_of_many_writes_at_once_and_without_a_flush(
+    queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Messages written a few milliseconds apart: the thread reads their replies together,
+    ``COLLECT_INTERVAL`` after the first was written (a wake-up each, not one a message),
+    and with no flush to ask for them."""
+    monkeypatch.setattr(publishing, "COLLECT_INTERVAL", 0.5)  # long beside the ten starts, even on a slow machine
+    e = _engine()
+    session, learners = _learned(e)
+    readings: list[int] = []
+    collect = publishing._collect
+
+    def counted(pacing: Any, everything: bool) -> Any:
+        readings.append(len(session.writer.written))
+        return collect(pacing, everything)
+
+    monkeypatch.setattr(publishing, "_collect", counted)
+    run_ids = []
+    for n in range(10):
+        run_ids.append(e.start("test.add", add_input(f"c{n}")).run_id)
+        time.sleep(0.003)  # more than DIRECT_WRITES_APART: each written by its caller
+    deadline = time.monotonic() + 10
+    while session.writer.written and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not session.writer.written and not session.writer.signalled  # read, unasked
+    assert 1 <= len(readings) <= 2 and sum(readings) >= 10, readings
     assert _ids(_drain(queue)) == _task_ids(*learners, *run_ids)
 
 
