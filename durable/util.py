@@ -28,7 +28,8 @@ def check_json(value: Any, *, what: str) -> Any:
     except (TypeError, ValueError, RecursionError) as exc:
         reason = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc)
         raise exceptions.InvalidStartError(f"{what} must be a JSON value: {reason}.") from exc
-    if _NUL.search(text):
+    # The substring first: the pattern, tried at every position, took 0.5 ms for 8 KB of text.
+    if "\\u0000" in text and _NUL.search(text):
         raise exceptions.InvalidStartError(f"{what} must be a JSON value without NUL (\\u0000) characters.")
     return json.loads(text)
 

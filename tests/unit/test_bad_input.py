@@ -293,3 +293,25 @@ def test_async_limit_function_called_with_a_running_event_loop() -> None:
         return quotas[0].limit, engine.start("w", {}).status
 
     assert asyncio.run(main()) == (7, "pending")
+
+
+@pytest.mark.parametrize(
+    ("value", "nul"),
+    [
+        ({"s": "a\x00b"}, True),
+        ({"a\x00": 1}, True),
+        (["x" * 10_000 + "\x00"], True),  # at the end of a long text
+        ({"s": "\\\x00"}, True),  # a backslash, then NUL
+        ({"s": "\\u0000"}, False),  # a backslash, then the letters u0000: no NUL
+        ({"s": "\\\\u0000"}, False),
+        ({"s": "x" * 10_000}, False),
+    ],
+)
+def test_check_json_refuses_nul_characters_only(value: Any, nul: bool) -> None:
+    from durable.util import check_json
+
+    if nul:
+        with pytest.raises(InvalidStartError, match="NUL"):
+            check_json(value, what="the input")
+    else:
+        assert check_json(value, what="the input") == value
