@@ -176,13 +176,17 @@ class Admission(orm.ORMStore):
         if connection is None:
             return False
         ordered = sorted(quotas, key=lambda q: q.key)
+        # A guess on a start of one key without a burst: its key's last start here was refused?
+        hint = (count_namespace, ordered[0].key) if len(ordered) == 1 and ordered[0].burst is None else None
+        refused_before = hint is not None and hint in _refused_keys
+        if refused_before and not run_id_given:
+            self._refuse_if_full(connection, record, ordered[0], count_namespace)
         groups = group_keys([q.tag for q in ordered])
         payload = [{"key": q.key, "limit": q.limit, "statuses": list(q.count_statuses), "group": groups[q.tag]} for q in ordered]
         bursting = [(entry, q.burst) for entry, q in zip(payload, ordered, strict=True) if q.burst is not None]
         for entry, burst in bursting:
             entry.update(burst={"pool": burst.pool, "up_to": burst.up_to}, pool_limit=burst.pool_limit)
-        hint = (count_namespace, ordered[0].key) if len(ordered) == 1 and not bursting else None
-        if hint is not None and not connection.in_atomic_block and hint not in _refused_keys:
+        if hint is not None and not refused_before and not connection.in_atomic_block:
             payload[0]["lock_first"] = True
         if bursting and connection.in_atomic_block:
             row = self._admit_in_transaction(connection, payload, record, count_namespace, run_id_given, ordered)
@@ -193,10 +197,7 @@ class Admission(orm.ORMStore):
             _refused_keys.note(hint, refused=outcome == "full")
         burst_detail = orm.decoded(burst_detail)
         if outcome == "full":  # the function recorded the refused limits already
-            seconds = conf.retry_after_seconds(estimate(orm.decoded(durations), oldest_age))
-            raise exceptions.ConcurrencyLimitError(
-                workflow=record.workflow, key=key, limit=limit, active=active, retry_after=seconds, **(burst_detail or {})
-            )
+            raise _refusal(record, key, limit, active, durations, oldest_age, burst_detail)
         if outcome == "exists":
             raise RunExists(record.run_id)
         if burst_detail:
@@ -205,6 +206,20 @@ class Admission(orm.ORMStore):
             borrowed += [BORROWED_PREFIX + key for key in burst_detail["keys"]]
             record.tags = list(dict.fromkeys([q.tag for q in ordered] + borrowed))
         return True
+
+    def _refuse_if_full(
+        self, connection: BaseDatabaseWrapper, record: RunRecord, quota: Quota, count_namespace: str | None
+    ) -> None:
+        """Raise ``ConcurrencyLimitError`` when the committed count of ``quota``'s key fills it
+        and its row records these limits already (``durable_full_key``: one plain query, without
+        the quotas' JSON nor the run's input); return when it may have room, for ``durable_admit``."""
+        params: list[Any] = [quota.key, quota.limit, json.dumps(list(quota.count_statuses)), count_namespace]
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT * FROM durable_full_key(%s, %s, %s::jsonb, %s)", params)
+            row = cursor.fetchone()
+        if row is not None:
+            active, limit, durations, oldest_age = row
+            raise _refusal(record, quota.key, limit, active, durations, oldest_age, None)
 
     def _admit_in_key_order(
         self,
@@ -427,11 +442,15 @@ class _RefusedKeys:
 
     A start of one key without a burst, outside the caller's transaction, asks
     ``durable_admit`` to take the key's row first (``lock_first``: if no one holds
-    it) and count once, under the lock, unless the key is here: then it counts
-    first, as every start did before 0026, so that starts into a full hot key take
-    no lock. A wrong guess costs only time: a start into a full key that took the
-    lock is refused all the same (its transaction, the call's own, then writes
-    the lock), and a start into a key with room that counted first counts twice."""
+    it) and count once, under the lock, unless the key is here: then (unless the
+    caller chose the run id) ``durable_full_key`` first refuses it if the key is
+    still full, in one plain query that sends neither the quotas' JSON nor the
+    run's input; a key with room again is then admitted by ``durable_admit``,
+    which counts first, as every start did before 0026, so that starts into a full
+    hot key take no lock. A wrong guess costs only time: a start into a full key
+    that took the lock is refused all the same (its transaction, the call's own,
+    then writes the lock), and a start into a key with room that was refused
+    before makes one query more and counts twice."""
 
     def __init__(self, size: int = 4096) -> None:
         self.size = size
@@ -461,6 +480,22 @@ _LOCK_NOT_AVAILABLE = "55P03"
 _POOL_BACKOFF = (0.02, 0.05, 0.1)
 #: durable_admit's DETAIL of a busy pool inside a transaction that held no lock before the call.
 _NOTHING_HELD = "durable: nothing held"
+
+
+def _refusal(
+    record: RunRecord,
+    key: str,
+    limit: int,
+    active: int,
+    durations: Any,
+    oldest_age: float | None,
+    burst_detail: dict[str, Any] | None,
+) -> exceptions.ConcurrencyLimitError:
+    """The error of a start refused by the admission functions' answer, with its Retry-After."""
+    seconds = conf.retry_after_seconds(estimate(orm.decoded(durations), oldest_age))
+    return exceptions.ConcurrencyLimitError(
+        workflow=record.workflow, key=key, limit=limit, active=active, retry_after=seconds, **(burst_detail or {})
+    )
 
 
 def _start_params(record: RunRecord, count_namespace: str | None, run_id_given: bool) -> list[Any]:

@@ -20,6 +20,7 @@ from django.test.utils import CaptureQueriesContext
 import durable
 from durable import Concurrency, ConcurrencyLimitError, Engine, InMemoryStore
 from durable.concurrency import resolve
+from durable.models import ConcurrencyLock
 from durable.runtime import Registry
 from durable.status import DEFAULT_CONCURRENCY_STATUSES, RunStatus
 from durable.stores.admitting import _RefusedKeys
@@ -29,7 +30,7 @@ from tests.queries import explained, table_scans
 SQL = Path(durable.__file__).resolve().parent / "sql"
 #: Each current copy in durable/sql/ and the functions its file defines.
 FUNCTIONS = {
-    "admit": ["durable_admit", "durable_burst_refusal", "durable_lock_pool", "durable_statuses"],
+    "admit": ["durable_admit", "durable_burst_refusal", "durable_full_key", "durable_lock_pool", "durable_statuses"],
     "counting": ["durable_counted_tags"],
     "lifecycle": ["durable_take", "durable_claim", "durable_record_step", "durable_finish", "durable_end"],
     "queue": ["durable_admit_queued", "durable_promote"],
@@ -451,21 +452,95 @@ def test_a_start_takes_its_keys_row_first_unless_its_last_start_in_this_process_
     engine.register("w2", "1", lambda ctx, input: None, two_keys)
     outcomes = []
     with CaptureQueriesContext(connection) as queries:
-        for _ in range(3):  # admitted; refused; refused
+        for _ in range(3):  # admitted; refused; refused (by durable_full_key alone)
             try:
                 outcomes.append(engine.start("w", {}).run_id)
             except ConcurrencyLimitError:
                 outcomes.append("refused")
         engine.cancel(outcomes[0])
-        handle = engine.start("w", {})  # room again: admitted after counting first
+        handle = engine.start("w", {})  # room again: durable_full_key says nothing, admitted after counting first
         with pytest.raises(ConcurrencyLimitError):
             engine.start("w", {})  # its row taken first again: the last start was admitted
         with transaction.atomic(), pytest.raises(ConcurrencyLimitError):
-            engine.start("w", {})  # inside the caller's transaction: never
+            engine.start("w", {})  # inside the caller's transaction: refused by durable_full_key
         engine.cancel(handle.run_id)
         engine.start("w2", {})  # two keys: never
     assert outcomes[1:] == ["refused", "refused"]
-    assert _flags_sent(queries) == [True, True, False, False, True, False, False]
+    assert _flags_sent(queries) == [True, True, False, True, False]
+    assert _full_key_calls(queries) == 3
+
+
+def _full_key_calls(queries: CaptureQueriesContext) -> int:
+    return sum("durable_full_key(" in q["sql"] for q in queries.captured_queries)
+
+
+def _refusal(engine: Engine, workflow: str, input: Any, **start: Any) -> tuple[ConcurrencyLimitError, list[str]]:
+    """The error of a start that must be refused, and the statements it sent."""
+    with CaptureQueriesContext(connection) as queries, pytest.raises(ConcurrencyLimitError) as refused:
+        engine.start(workflow, input, **start)
+    return refused.value, [q["sql"] for q in queries.captured_queries]
+
+
+def _answer(error: ConcurrencyLimitError) -> tuple[Any, ...]:
+    return (error.workflow, error.key, error.limit, error.active, error.retry_after)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_key_refused_before_is_refused_by_one_plain_query_that_sends_no_input_and_answers_the_same() -> None:
+    engine = Engine(dispatch=lambda e, r: None, registry=Registry())
+    key = f"sql:{uuid.uuid4().hex}"
+    engine.register("w", "1", lambda ctx, input: None, Concurrency(key=lambda input: key, limit=2))
+    for _ in range(2):
+        engine.start("w", {})
+    with connection.cursor() as cursor:  # a Retry-After estimated from durations: 10.5 s - the oldest run's age
+        cursor.execute("UPDATE durable_concurrencylock SET recent_durations = '[10.5]' WHERE key = %s", [key])
+    big = {"text": "chat history " * 500}
+    first, sent = _refusal(engine, "w", big)
+    assert len(sent) == 1 and "durable_admit(" in sent[0]
+    second, sent = _refusal(engine, "w", big)
+    assert len(sent) == 1 and "durable_full_key(" in sent[0] and "chat history" not in sent[0], sent
+    assert _answer(second) == _answer(first) == ("w", key, 2, 2, 11)
+    # The caller chose the run id: durable_admit, which makes sure no run has it.
+    third, sent = _refusal(engine, "w", big, run_id=f"given-{uuid.uuid4().hex}")
+    assert [s for s in sent if "durable_admit(" in s] and not [s for s in sent if "durable_full_key(" in s]
+    assert _answer(third) == _answer(first)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_durable_full_key_leaves_to_durable_admit_a_key_with_room_or_limits_to_record() -> None:
+    engine = Engine(dispatch=lambda e, r: None, registry=Registry())
+    key = f"sql:{uuid.uuid4().hex}"
+    limits = {"limit": 2}
+    engine.register("w", "1", lambda ctx, input: None, Concurrency(key=lambda input: key, limit=lambda k: limits["limit"]))
+    runs = [engine.start("w", {}).run_id for _ in range(2)]
+    _refusal(engine, "w", {})  # refused: the key is refused before from now on
+    lock = ConcurrencyLock.objects.get(key=key)
+    # The code's limit drops to 1: still full, but the row records 2, so durable_admit refuses and records 1.
+    limits["limit"] = 1
+    error, sent = _refusal(engine, "w", {})
+    assert [s.split("(")[0] for s in sent] == ["SELECT * FROM durable_full_key", "SELECT * FROM durable_admit"]
+    assert (error.limit, error.active) == (1, 2)
+    lock.refresh_from_db()
+    assert lock.limit == 1
+    error, sent = _refusal(engine, "w", {})  # recorded now: durable_full_key refuses
+    assert len(sent) == 1 and "durable_full_key(" in sent[0] and (error.limit, error.active) == (1, 2)
+    # An operator's override of 3 leaves room: durable_full_key says nothing, durable_admit admits.
+    ConcurrencyLock.objects.filter(key=key).update(limit_override=3)
+    with CaptureQueriesContext(connection) as queries:
+        runs.append(engine.start("w", {}).run_id)
+    assert _full_key_calls(queries) == 1 and len(queries.captured_queries) == 2
+    error, sent = _refusal(engine, "w", {})  # full at the override (3 runs): refused under the row's lock
+    assert (error.limit, error.active) == (3, 3)
+    error, sent = _refusal(engine, "w", {})
+    assert len(sent) == 1 and "durable_full_key(" in sent[0] and (error.limit, error.active) == (3, 3)
+    # At a limit of 0 nothing frees a slot: no estimate, RETRY_AFTER, as durable_admit answers.
+    ConcurrencyLock.objects.filter(key=key).update(limit_override=0, recent_durations=[10.5])
+    error, sent = _refusal(engine, "w", {})
+    assert len(sent) == 1 and "durable_full_key(" in sent[0]
+    assert (error.limit, error.active, error.retry_after) == (0, 3, 1)
+    assert engine.count_runs() == len(runs)
 
 
 def test_the_refused_keys_kept_are_the_newest_and_an_admission_forgets_its_key() -> None:
