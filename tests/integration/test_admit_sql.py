@@ -125,6 +125,23 @@ def test_a_migration_installs_its_function_and_its_reverse_the_previous_one(
     assert installed_body(function) == _body(newest.stem, function)
 
 
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_migration_0029_adds_durable_full_key_and_its_reverse_drops_it() -> None:
+    def installed() -> bool:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_proc WHERE proname = 'durable_full_key'")
+            return cursor.fetchone()[0] == 1
+
+    try:
+        call_command("migrate", "durable", "0028_admit_refusal_one_query", verbosity=0)
+        assert not installed() and installed_body("durable_admit") == _body("0028_admit", "durable_admit")
+        call_command("migrate", "durable", "0029_admit_full_key", verbosity=0)
+        assert installed() and installed_body("durable_full_key") == _body("0029_admit", "durable_full_key")
+    finally:
+        call_command("migrate", "durable", verbosity=0)
+
+
 def test_every_run_status_is_a_word_so_durable_statuses_may_read_the_json_text_as_an_array() -> None:
     # durable_statuses turns ["a", "b"] into {"a", "b"}: exact only for names without quotes, commas or backslashes.
     assert all(re.fullmatch(r"[a-z]+", status) for status in RunStatus.values)
