@@ -33,6 +33,7 @@ from celery import Celery, signals
 from celery.signals import worker_process_shutdown
 from celery.utils.saferepr import saferepr
 from django.core.signals import setting_changed
+from django.dispatch import receiver
 from kombu.common import Broadcast, maybe_declare
 from kombu.exceptions import OperationalError
 
@@ -411,6 +412,9 @@ class _AppConf(NamedTuple):
     embed: Any
     defaults: _Defaults
     read_at: float
+    #: By queue asked for (None: the default), where Celery's router sends a run's message,
+    #: when the app has no ``task_routes`` (``_routed``): the route then depends on nothing else.
+    routes: dict[str | None, tuple[Any, ...]]
 
 
 #: Seconds an ``_AppConf`` is used before it is read again (and at once after Django's
@@ -454,12 +458,15 @@ def app_conf(app: Celery) -> _AppConf:
         embed=body[2],
         defaults=defaults,
         read_at=time.monotonic(),
+        routes={},
     )
     _app_confs[app] = known
     return known
 
 
-@setting_changed.connect
+# django.dispatch.receiver, not ``@setting_changed.connect``: Django's ``connect`` returns None,
+# so the function it connected (weakly) was collected at once and never called.
+@receiver(setting_changed)
 def _forget_app_confs(**kwargs: Any) -> None:
     _app_confs.clear()
 
@@ -863,15 +870,24 @@ class _Routed(NamedTuple):
 
 
 def _routed(app: Celery, conf: _AppConf, m: _Message) -> _Routed:
-    """Route ``m`` as ``apply_async`` would (the app's routers, its queues)."""
+    """Route ``m`` as ``apply_async`` would (the app's routers, its queues). Without
+    ``task_routes`` the route depends only on the queue asked for and the configuration
+    (``conf``, read again every ``CONF_TTL``): it is kept in ``conf.routes``, which spares
+    each message Celery's router (about 15 us; 50 us after a quiet spell)."""
     amqp, args = app.amqp, (m.run_id,)
-    wanted = dict(conf.options, queue=m.queue) if m.queue else dict(conf.options)
-    route = amqp.router.route(wanted, EXECUTE_TASK, args, {}, conf.task)
-    exchange, routing_key, delivery_mode, queue = _destination(amqp, route, conf.defaults)
+    destination = conf.routes.get(m.queue)
+    if destination is None:
+        wanted = dict(conf.options, queue=m.queue) if m.queue else dict(conf.options)
+        router = amqp.router
+        route = router.route(wanted, EXECUTE_TASK, args, {}, conf.task)
+        destination = (*_destination(amqp, route, conf.defaults), route.get("priority"))
+        if not getattr(router, "routes", True):
+            conf.routes[m.queue] = destination
     argsrepr = repr(args)
     if len(argsrepr) > amqp.argsrepr_maxsize:
         argsrepr = saferepr(args, amqp.argsrepr_maxsize)
-    return _Routed(exchange, routing_key, delivery_mode, queue, route.get("priority"), argsrepr)
+    exchange, routing_key, delivery_mode, queue, priority = destination
+    return _Routed(exchange, routing_key, delivery_mode, queue, priority, argsrepr)
 
 
 def _destination(amqp: Any, route: dict[str, Any], defaults: _Defaults) -> tuple[Any, Any, Any, Any]:

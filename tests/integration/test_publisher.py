@@ -260,6 +260,38 @@ def test_templates_follow_the_route_of_each_message(queue: str, monkeypatch: pyt
             assert routed[repr((m.run_id,))] == keys[int(m.run_id[-1], 16) % 2]
 
 
+def test_without_task_routes_each_queue_is_routed_by_celery_once_per_reading_of_the_configuration(
+    queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No router can route by the run: the route of a queue (or of the default one) is kept
+    with the configuration read, until it is read again; each message still goes where
+    ``apply_async`` puts it."""
+    other = f"{queue}-other"
+    with _app("durable-routes", task_default_queue=queue) as app:
+        router, asked = app.amqp.router, []
+        route = router.route
+        monkeypatch.setattr(router, "route", lambda options, *args: asked.append(options.get("queue")) or route(options, *args))
+        messages = _messages(app, 3) + _messages(app, 3, other)
+        publishing._publish(app, messages)
+        assert asked == [None, other]
+        publishing._forget_app_confs()  # the configuration read again (setting_changed): its routes too
+        again = _messages(app, 2)
+        publishing._publish(app, again)
+        assert asked == [None, other, None]
+        texts = _texts([queue, other])
+    assert [json.loads(t)["headers"]["id"] for t in texts[queue]] == [m.task_id for m in messages[:3] + again]
+    assert [json.loads(t)["headers"]["id"] for t in texts[other]] == [m.task_id for m in messages[3:]]
+
+
+def test_a_changed_setting_makes_the_publisher_read_the_configuration_again(settings: Any) -> None:
+    """``override_settings`` (here pytest-django's ``settings``) sends ``setting_changed``: the
+    configuration the publisher read (its route by queue too) is read again at the next message."""
+    publishing.app_conf(celery_app)
+    assert celery_app in publishing._app_confs
+    settings.DURABLE = {**settings.DURABLE, "TASK_QUEUE": "elsewhere"}
+    assert celery_app not in publishing._app_confs
+
+
 def test_a_destination_whose_message_is_more_than_one_command_is_never_templated(
     queue: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
