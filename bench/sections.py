@@ -287,6 +287,10 @@ def _drop_failed(kind: str, replies: list[dict[str, Any]], opts: Options, pool: 
 
 
 # -- (b) ------------------------------------------------------------------------
+#: The input of (b)'s extra row: a chat turn with its history, as the product's starts carry.
+CHAT_INPUT_BYTES = 8000
+
+
 def section_b(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch, progress: Progress) -> None:
     """One hot key at its limit: refusal latency, and over-admission with and without churn."""
     n, limit = opts.starters, opts.hot_limit
@@ -304,6 +308,8 @@ def section_b(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
     progress(f"(b) refusal baseline: 1 starter on a full key for {solo_seconds:g} s")
     [solo] = pool.call([0], _storm(key, solo_seconds, 1), timeout=solo_seconds + 300)
     solo_refused = sorted(solo["refused_us"])
+    progress(f"(b) refusal with a chat turn's input: 1 starter, {CHAT_INPUT_BYTES:,} bytes of input, {solo_seconds:g} s")
+    [chat] = pool.call([0], _storm(key, solo_seconds, 1, CHAT_INPUT_BYTES), timeout=solo_seconds + 300)
     progress(f"(b) refusal storm: {n} starters on a full key for {opts.hot_seconds:g} s")
     replies = pool.call(range(n), _storm(key, opts.hot_seconds, n), timeout=opts.hot_seconds + 300)
     refused = sorted(us for rep in replies for us in rep["refused_us"])
@@ -315,6 +321,15 @@ def section_b(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
         "refusal latency p50 / p99, 1 starter (baseline)",
         f"{_report.ms(_report.percentile(solo_refused, 50))} / {_report.ms(_report.percentile(solo_refused, 99))}",
         f"{len(solo_refused) / solo_seconds:,.0f} refusals/s",
+    )
+    chat_refused = sorted(chat["refused_us"])
+    report.row(
+        "b",
+        f"extra: refusal latency p50 / p99, 1 starter, {CHAT_INPUT_BYTES // 1000} KB input",
+        f"{_report.ms(_report.percentile(chat_refused, 50))} / {_report.ms(_report.percentile(chat_refused, 99))}",
+        f"{len(chat_refused) / solo_seconds:,.0f} refusals/s; CPU per refusal, client / database:"
+        f" {_cpu_text(_cpu_per_call([chat], len(chat_refused)))}, against {_cpu_text(_cpu_per_call([solo], len(solo_refused)))}"
+        " with the baseline's input ({\"key\": ...}); a chat turn's history (starters.chat_input), no target",
     )
     rate = len(refused) / opts.hot_seconds
     report.row(
@@ -460,8 +475,8 @@ def _cpu_text(cpu: dict[str, float | None]) -> str:
     return " / ".join("-" if cpu[side] is None else f"{cpu[side]:.0f} us" for side in ("client", "database"))
 
 
-def _storm(key: str, seconds: float, size: int) -> dict[str, Any]:
-    return {"cmd": "storm", "key": key, "seconds": seconds, "size": size}
+def _storm(key: str, seconds: float, size: int, input_bytes: int = 0) -> dict[str, Any]:
+    return {"cmd": "storm", "key": key, "seconds": seconds, "size": size, "input_bytes": input_bytes}
 
 
 def _prefill(parent: starters.DurableStarter, key: str, limit: int) -> None:

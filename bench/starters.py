@@ -22,6 +22,7 @@ libraries' schemas into the scratch databases; each returns why it could not.
 
 from __future__ import annotations
 
+import json
 import traceback
 import uuid
 from collections.abc import Sequence
@@ -162,6 +163,17 @@ class DispatchStarter:
         connections.close_all()
 
 
+def chat_input(key: str, size: int) -> dict[str, Any]:
+    """A start's input as a chat turn sends it: the key and a history of messages, about
+    ``size`` bytes of JSON (the same object each call: as a view would pass its request's)."""
+    turn = {"role": "user", "content": "How do I reset the password of a shared account? " * 4}
+    count = max(1, size // len(json.dumps(turn)))
+    return _CHAT_INPUTS.setdefault((key, size), {"key": key, "history": [dict(turn) for _ in range(count)]})
+
+
+_CHAT_INPUTS: dict[tuple[str, int], dict[str, Any]] = {}
+
+
 class DurableStarter:
     """``Engine.start`` on a private registry, with a no-op dispatch."""
 
@@ -192,12 +204,13 @@ class DurableStarter:
         except ConcurrencyLimitError:
             return "refused"
 
-    def start(self, key: str, workflow: str = WORKFLOW) -> bool:
-        """Start one run; False when its quota refused it."""
+    def start(self, key: str, workflow: str = WORKFLOW, input_bytes: int = 0) -> bool:
+        """Start one run; False when its quota refused it. ``input_bytes``: its input carries
+        a chat history of about that many bytes of JSON (``chat_input``)."""
         from durable.exceptions import ConcurrencyLimitError
 
         try:
-            self.engine.start(workflow, {"key": key})
+            self.engine.start(workflow, chat_input(key, input_bytes) if input_bytes else {"key": key})
         except ConcurrencyLimitError:
             return False
         return True

@@ -14,7 +14,8 @@ Commands (``cmd``):
 - ``rate``: start runs of ``kind`` round-robin over this process's ``nkeys`` keys
   for ``seconds``; reply the count, the elapsed time and the CPU time used (both
   include the wait for the background publisher's last messages, for dispatch).
-- ``storm``: start the hot workflow on ``key`` for ``seconds``; reply the
+- ``storm``: start the hot workflow on ``key`` for ``seconds`` (with ``input_bytes``,
+  an input of about that many bytes: ``starters.chat_input``); reply the
   admitted and refused counts and their latencies (microseconds), and the CPU
   time the process and its database backend used (``_CpuMeter``).
 - ``roundtrip``: send ``SELECT 1`` for ``seconds`` through ``via`` ("django":
@@ -124,7 +125,7 @@ class _Worker:
                 message["kind"], float(message["seconds"]), int(message["nkeys"]), int(message["size"]), int(message["round"])
             )
         if cmd == "storm":
-            return self.storm(message["key"], float(message["seconds"]), int(message["size"]))
+            return self.storm(message["key"], float(message["seconds"]), int(message["size"]), int(message.get("input_bytes", 0)))
         if cmd == "roundtrip":
             return self.roundtrip(message["via"], float(message["seconds"]), int(message["size"]))
         if cmd == "latency":
@@ -222,12 +223,13 @@ class _Worker:
         self.cursors[kind] = i
         return {"count": count, "warmed": warmed, "elapsed": elapsed, "refused": refused, "cpu": time.process_time() - cpu0}
 
-    def storm(self, key: str, seconds: float, size: int) -> Reply:
+    def storm(self, key: str, seconds: float, size: int, input_bytes: int = 0) -> Reply:
         durable = self.starters["durable"]
         admitted: list[int] = []
         refused: list[int] = []
         meter = _CpuMeter(starters.django_backend_pid)
-        for ok, us in _timed(lambda: durable.start(key, workflow=starters.HOT_WORKFLOW), seconds, self.barriers[size]):
+        start = lambda: durable.start(key, workflow=starters.HOT_WORKFLOW, input_bytes=input_bytes)  # noqa: E731
+        for ok, us in _timed(start, seconds, self.barriers[size]):
             (admitted if ok else refused).append(us)
         return {"admitted_us": admitted, "refused_us": refused, "cpu": meter.used()}
 

@@ -63,6 +63,10 @@ def test_smallest_run_prints_targets_and_over_admission_and_drops_its_database()
     assert rows[0]["count"] == "0"  # quota exactness, not speed: no run beyond the limit
     for via in ("django", "psycopg"):  # the round-trip floor, measured by the same 2 processes
         assert row(lines, "b", f"floor: SELECT 1 p50 / p99, 2 procs, {via}", r"[\d.]+ ms / [\d.]+ ms")
+    # A refusal whose start carries a chat turn's input: its CPU beside the baseline's.
+    chat = row(lines, "b", "extra: refusal latency p50 / p99, 1 starter, 8 KB input", r"[\d.]+ ms / [\d.]+ ms")
+    cpu = r"CPU per refusal, client / database: \d+ us / (\d+ us|-), against \d+ us / (\d+ us|-)"
+    assert chat and re.search(cpu, chat.string)
     [refusal] = [line for line in targets(lines) if "refusal latency p99" in line]
     # A ratio to the floor measured in the same run, not an absolute latency.
     assert re.search(r"refusal latency p99 / Django SELECT 1 p99 \(2 starters\) <= 2\.00x\s+measured \d+\.\d\dx", refusal)
