@@ -459,12 +459,18 @@ def _flags_sent(queries: CaptureQueriesContext) -> list[bool]:
     return ['"lock_first": true' in q["sql"] for q in queries.captured_queries if "durable_admit(" in q["sql"]]
 
 
+def _one_key(limit: Any) -> tuple[Engine, str]:
+    """An engine whose workflow "w" starts on one key of the test's own, with ``limit``."""
+    engine = Engine(dispatch=lambda e, r: None, registry=Registry())
+    key = f"sql:{uuid.uuid4().hex}"
+    engine.register("w", "1", lambda ctx, input: None, Concurrency(key=lambda input: key, limit=limit))
+    return engine, key
+
+
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_a_start_takes_its_keys_row_first_unless_its_last_start_in_this_process_was_refused() -> None:
-    engine = Engine(dispatch=lambda e, r: None, registry=Registry())
-    key = f"sql:{uuid.uuid4().hex}"
-    engine.register("w", "1", lambda ctx, input: None, Concurrency(key=lambda input: key, limit=1))
+    engine, key = _one_key(1)
     two_keys = [Concurrency(key=lambda input: key, limit=5), Concurrency(key=lambda input: f"{key}:b", limit=5)]
     engine.register("w2", "1", lambda ctx, input: None, two_keys)
     outcomes = []
@@ -505,9 +511,7 @@ def _answer(error: ConcurrencyLimitError) -> tuple[Any, ...]:
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_a_key_refused_before_is_refused_by_one_plain_query_that_sends_no_input_and_answers_the_same() -> None:
-    engine = Engine(dispatch=lambda e, r: None, registry=Registry())
-    key = f"sql:{uuid.uuid4().hex}"
-    engine.register("w", "1", lambda ctx, input: None, Concurrency(key=lambda input: key, limit=2))
+    engine, key = _one_key(2)
     for _ in range(2):
         engine.start("w", {})
     with connection.cursor() as cursor:  # a Retry-After estimated from durations: 10.5 s - the oldest run's age
@@ -527,10 +531,8 @@ def test_a_key_refused_before_is_refused_by_one_plain_query_that_sends_no_input_
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_durable_full_key_leaves_to_durable_admit_a_key_with_room_or_limits_to_record() -> None:
-    engine = Engine(dispatch=lambda e, r: None, registry=Registry())
-    key = f"sql:{uuid.uuid4().hex}"
     limits = {"limit": 2}
-    engine.register("w", "1", lambda ctx, input: None, Concurrency(key=lambda input: key, limit=lambda k: limits["limit"]))
+    engine, key = _one_key(lambda k: limits["limit"])
     runs = [engine.start("w", {}).run_id for _ in range(2)]
     _refusal(engine, "w", {})  # refused: the key is refused before from now on
     lock = ConcurrencyLock.objects.get(key=key)
