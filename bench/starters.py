@@ -22,6 +22,7 @@ libraries' schemas into the scratch databases; each returns why it could not.
 
 from __future__ import annotations
 
+import functools
 import json
 import traceback
 import uuid
@@ -163,15 +164,14 @@ class DispatchStarter:
         connections.close_all()
 
 
+@functools.cache
 def chat_input(key: str, size: int) -> dict[str, Any]:
     """A start's input as a chat turn sends it: the key and a history of messages, about
-    ``size`` bytes of JSON (the same object each call: as a view would pass its request's)."""
+    ``size`` bytes of JSON (built once, the same object each call: as a view would pass its
+    request's; the timed starts do not build it)."""
     turn = {"role": "user", "content": "How do I reset the password of a shared account? " * 4}
     count = max(1, size // len(json.dumps(turn)))
-    return _CHAT_INPUTS.setdefault((key, size), {"key": key, "history": [dict(turn) for _ in range(count)]})
-
-
-_CHAT_INPUTS: dict[tuple[str, int], dict[str, Any]] = {}
+    return {"key": key, "history": [dict(turn) for _ in range(count)]}
 
 
 class DurableStarter:
