@@ -245,10 +245,12 @@ class Executor:
             self.store.on_commit(lambda: self._wake_parent(parent_id, waiting_for))
 
     def _wake_parent(self, parent_id: str, waiting_for: str) -> None:
-        parent = self.store.get_run(parent_id)
+        # Read once the parent's row lock is free: a parent committing its suspension right
+        # now (it read this child still running) has committed it, and the compare-and-set
+        # sees it suspended. Read before it committed, the parent would look running, the
+        # compare-and-set would not wait for it, and the parent would sleep until the sweeper.
+        parent = self.store.settled_run(parent_id)
         if parent is not None:
-            # No check of the status read here: the compare-and-set locks the parent's
-            # row, so a parent committing its suspension right now is seen suspended.
             self.resume(parent, waiting_for=waiting_for)
 
     def released(self, run: RunRecord) -> None:

@@ -135,6 +135,13 @@ class BaseStore:
     def get_run(self, run_id: str) -> RunRecord | None:
         raise NotImplementedError
 
+    def settled_run(self, run_id: str) -> RunRecord | None:
+        """The run once no transaction still changing it is left: a store whose writers
+        can be in flight while it reads waits for them (``DjangoStore`` waits for the
+        run's row lock), so a compare-and-set that follows sees what they committed.
+        Default: ``get_run`` (a store whose changes are atomic to its readers)."""
+        return self.get_run(run_id)
+
     def list_runs(
         self,
         *,

@@ -6,6 +6,7 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 
+from django.db import transaction
 from django.db.models import CharField, Exists, F, Min, OuterRef, Value
 from django.db.models.functions import Concat
 from django.utils import timezone
@@ -30,6 +31,18 @@ class DjangoStore(admitting.Admission, lifecycle.Lifecycle):
     @orm.kept_connection
     def get_run(self, run_id: str) -> RunRecord | None:
         row = self._runs().filter(run_id=run_id).select_related("parent").first()
+        return None if row is None else orm.to_record(row)
+
+    @orm.kept_connection
+    def settled_run(self, run_id: str) -> RunRecord | None:
+        """Read under the row's lock, taken and let go at once: a transaction that holds it
+        (a run committing its suspension) ends first, and the row read is what it committed.
+
+        A plain read, and a compare-and-set whose condition the row fails in the statement's
+        snapshot, do not wait: PostgreSQL only waits for a row's lock holder when the version
+        it sees matches the ``WHERE`` clause."""
+        with transaction.atomic(using=self.using):
+            row = self._runs().select_for_update(no_key=True, of=("self",)).filter(run_id=run_id).select_related("parent").first()
         return None if row is None else orm.to_record(row)
 
     @orm.kept_connection
