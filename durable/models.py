@@ -11,7 +11,10 @@ from durable.status import DEFAULT_CONCURRENCY_STATUSES, TERMINAL_STATUSES, RunS
 
 
 class WorkflowRun(models.Model):
-    run_id = models.CharField(max_length=255, unique=True)
+    #: Unique by ``durable_workflowrun_run_id_key`` (a constraint, not ``unique=True``: on
+    #: PostgreSQL, Django gives a unique ``CharField`` a second, ``LIKE`` index, which
+    #: no query of durable uses and every new row version would write).
+    run_id = models.CharField(max_length=255)
     workflow = models.CharField(max_length=255)
     version = models.CharField(max_length=64)
     namespace = models.CharField(max_length=100, default="default")
@@ -54,6 +57,8 @@ class WorkflowRun(models.Model):
 
     class Meta:
         ordering = ["-created_at", "-id"]
+        # The name PostgreSQL gave the column's UNIQUE when run_id had unique=True.
+        constraints = [models.UniqueConstraint(fields=["run_id"], name="durable_workflowrun_run_id_key")]
         # The lists (API and admin) read a page newest first, unfiltered or by one
         # status, workflow or namespace: each an index range in that order, whose
         # cost does not grow with the number of runs. No index names heartbeat_at,

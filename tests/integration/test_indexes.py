@@ -14,10 +14,12 @@ import re
 from collections.abc import Iterator
 
 import pytest
-from django.db import connection
+from django.core.management import call_command
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from durable import Concurrency, Engine, RunStatus, Strategy
+from durable.models import WorkflowRun
 from durable.runtime import Registry
 from durable.stores.base import RunRecord, StepEntry
 from tests.queries import GROWING_TABLES, explained, table_scans
@@ -104,6 +106,41 @@ def test_no_index_is_the_start_of_another_of_its_table() -> None:
         if table == other_table and not unique and len(columns) < len(other) and other[: len(columns)] == columns
     }
     assert redundant == set()
+
+
+#: The tables every run's way writes.
+RUN_TABLES = ("durable_workflowrun", "durable_runtag", "durable_steprecord", "durable_signal", "durable_stepslot")
+
+
+def _prefix_indexes() -> set[tuple[str, str]]:
+    """The indexes of RUN_TABLES for ``LIKE 'prefix%'`` only: Django adds one (with
+    ``varchar_pattern_ops``) beside the index of every unique or indexed ``CharField``."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT tablename, indexname FROM pg_indexes WHERE tablename = ANY(%s) AND indexdef LIKE '%%pattern_ops%%'",
+            [list(RUN_TABLES)],
+        )
+        return set(cursor.fetchall())
+
+
+def test_the_tables_of_a_runs_way_have_no_prefix_index() -> None:
+    """No query of durable reads them by a prefix (the run id lookups are exact, the
+    admin's search is ``icontains``), and each new row version wrote such an index."""
+    assert _prefix_indexes() == set()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_migration_0030_drops_the_run_ids_prefix_index_keeps_it_unique_and_its_reverse_restores_it() -> None:
+    try:
+        call_command("migrate", "durable", "0029_admit_full_key", verbosity=0)
+        assert _prefix_indexes() == {("durable_workflowrun", "durable_workflowrun_run_id_74502262_like")}
+        call_command("migrate", "durable", "0030_run_id_without_like_index", verbosity=0)
+        assert _prefix_indexes() == set()
+        WorkflowRun.objects.create(run_id="r", workflow="w", version="1")
+        with pytest.raises(IntegrityError, match="durable_workflowrun_run_id_key"), transaction.atomic():
+            WorkflowRun.objects.create(run_id="r", workflow="w", version="1")
+    finally:
+        call_command("migrate", "durable", verbosity=0)
 
 
 @pytest.fixture
