@@ -10,7 +10,9 @@ as the unique one.
 
 The constraint keeps the name PostgreSQL gave the column's ``UNIQUE``, so the
 database keeps its constraint as it is (SQLite's too); only the index is dropped.
-Reversing creates the index again.
+Reversing creates the index again. Both run ``CONCURRENTLY`` (the migration is not
+atomic): a busy run table is not locked against starts while they wait for the
+transactions in progress.
 """
 
 from django.db import migrations, models
@@ -20,17 +22,18 @@ LIKE_INDEX = "durable_workflowrun_run_id_74502262_like"
 
 def drop_like_index(apps, schema_editor):
     if schema_editor.connection.vendor == "postgresql":
-        schema_editor.execute(f"DROP INDEX IF EXISTS {LIKE_INDEX}")
+        schema_editor.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {LIKE_INDEX}")
 
 
 def create_like_index(apps, schema_editor):
     if schema_editor.connection.vendor == "postgresql":
         schema_editor.execute(
-            f"CREATE INDEX IF NOT EXISTS {LIKE_INDEX} ON durable_workflowrun (run_id varchar_pattern_ops)"
+            f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {LIKE_INDEX} ON durable_workflowrun (run_id varchar_pattern_ops)"
         )
 
 
 class Migration(migrations.Migration):
+    atomic = False
     dependencies = [("durable", "0029_admit_full_key")]
 
     operations = [
