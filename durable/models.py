@@ -27,7 +27,8 @@ class WorkflowRun(models.Model):
     #: Bumped by every retry; part of the Celery task id, so that revoking a
     #: cancelled run's messages never revokes those of its retry.
     generation = models.PositiveIntegerField(default=0)
-    parent = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="children")
+    #: Indexed by ``durable_run_parent_idx``, which holds the children only.
+    parent = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="children", db_index=False)
     #: Celery queue the run's messages go to ("" for the default queue); a remote
     #: workflow's runs go to the queue its service consumes.
     queue = models.CharField(max_length=200, blank=True, default="")
@@ -78,6 +79,14 @@ class WorkflowRun(models.Model):
                 fields=["status", "finished_at", "id"],
                 name="durable_run_finished_idx",
                 condition=models.Q(status__in=sorted(TERMINAL_STATUSES)),
+            ),
+            # The children of given runs (a cancel's, retention's). Not the top-level
+            # runs, most of them: a full index of a foreign key keeps its NULLs, and
+            # each start, claim and finish of every run wrote one into it.
+            models.Index(
+                fields=["parent"],
+                name="durable_run_parent_idx",
+                condition=models.Q(parent__isnull=False),
             ),
             models.Index(
                 fields=["wake_at"],

@@ -18,8 +18,9 @@ from django.core.management import call_command
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from durable import Concurrency, Engine, RunStatus, Strategy
+from durable import Concurrency, DjangoStore, Engine, RunStatus, Strategy
 from durable.models import WorkflowRun
+from durable.retention import with_unfinished_children
 from durable.runtime import Registry
 from durable.stores.base import RunRecord, StepEntry
 from tests.queries import GROWING_TABLES, explained, table_scans
@@ -141,6 +142,56 @@ def test_migration_0030_drops_the_run_ids_prefix_index_keeps_it_unique_and_its_r
             WorkflowRun.objects.create(run_id="r", workflow="w", version="1")
     finally:
         call_command("migrate", "durable", verbosity=0)
+
+
+def _parent_indexes() -> dict[str, str]:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT indexname, indexdef FROM pg_indexes "
+            "WHERE tablename = 'durable_workflowrun' AND indexdef LIKE '%%(parent_id)%%'"
+        )
+        return dict(cursor.fetchall())
+
+
+@pytest.mark.django_db(transaction=True)
+def test_migration_0031_keeps_only_the_children_in_the_parent_index_and_its_reverse_all_runs() -> None:
+    try:
+        call_command("migrate", "durable", "0030_run_id_without_like_index", verbosity=0)
+        assert _parent_indexes() == {
+            "durable_workflowrun_parent_id_cbb16613": (
+                "CREATE INDEX durable_workflowrun_parent_id_cbb16613 ON public.durable_workflowrun USING btree (parent_id)"
+            )
+        }
+        call_command("migrate", "durable", "0031_run_parent_partial_index", verbosity=0)
+        assert _parent_indexes() == {
+            "durable_run_parent_idx": (
+                "CREATE INDEX durable_run_parent_idx ON public.durable_workflowrun USING btree (parent_id) "
+                "WHERE (parent_id IS NOT NULL)"
+            )
+        }
+    finally:
+        call_command("migrate", "durable", verbosity=0)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_children_of_a_run_are_read_on_the_partial_parent_index() -> None:
+    # 1,500 top-level runs and one parent with three children, analyzed: a cancel's
+    # children, a purge's unfinished children and the children a deleted parent sets free.
+    WorkflowRun.objects.bulk_create(WorkflowRun(run_id=f"top-{n}", workflow="w", version="1") for n in range(1500))
+    parent = WorkflowRun.objects.create(run_id="parent", workflow="w", version="1", status=RunStatus.RUNNING)
+    for n in range(3):
+        WorkflowRun.objects.create(run_id=f"child-{n}", workflow="w", version="1", parent=parent)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE durable_workflowrun")
+    connection.ensure_connection()
+    with explained(connection.connection) as plans:
+        assert sorted(r.run_id for r in DjangoStore().active_children("parent")) == ["child-0", "child-1", "child-2"]
+        assert with_unfinished_children([parent.pk]) == {parent.pk}
+        WorkflowRun.objects.filter(pk=parent.pk).delete()
+    assert WorkflowRun.objects.filter(run_id__startswith="child-", parent=None).count() == 3
+    read = "\n".join(plans)
+    assert read.count("durable_run_parent_idx") >= 3, read
+    assert not table_scans(plans, ("durable_workflowrun",)), read
 
 
 @pytest.fixture
