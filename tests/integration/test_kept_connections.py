@@ -21,14 +21,30 @@ pytestmark = [pytest.mark.postgres, pytest.mark.worker, pytest.mark.django_db(tr
 
 LOGGED = {"DURABLE_LOG_LEVEL": "INFO"}
 
+#: When the running test began, on the database's clock (``this_tests_connections``).
+_test_began: list[datetime] = []
+
+
+@pytest.fixture(autouse=True)
+def this_tests_connections() -> None:
+    """``lifecycle_backends`` sees the connections opened since the test began: not
+    one that an earlier module's worker thread still keeps (seen with another order
+    of the modules)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT clock_timestamp()")
+        _test_began[:] = [cursor.fetchone()[0]]
+
 
 def lifecycle_backends() -> list[tuple[int, datetime]]:
-    """The other idle connections to the test database whose last statement was a
-    run's finish (``durable_end``): (pid, when the connection was opened)."""
+    """The other idle connections to the test database, opened since the test began,
+    whose last statement was a run's finish (``durable_end``): (pid, when the
+    connection was opened)."""
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT pid, backend_start FROM pg_stat_activity WHERE datname = current_database() "
-            "AND pid <> pg_backend_pid() AND state = 'idle' AND query LIKE 'SELECT durable_end(%%'"
+            "AND pid <> pg_backend_pid() AND state = 'idle' AND query LIKE 'SELECT durable_end(%%' "
+            "AND backend_start >= %s",
+            _test_began,
         )
         return [(int(pid), started) for pid, started in cursor.fetchall()]
 
