@@ -8,8 +8,10 @@ children, retention's unfinished children, the runs a purge sets free), which th
 partial index answers.
 
 On PostgreSQL both steps run ``CONCURRENTLY`` (the migration is not atomic), so a
-busy run table is not locked against starts meanwhile. Reversing puts the full index
-back under its old name.
+busy run table is not locked against starts meanwhile. A concurrent build that fails
+leaves an invalid ``durable_run_parent_idx``, which ``IF NOT EXISTS`` would keep: drop
+it before running the migration again. Reversing puts the full index back under its
+old name.
 """
 
 from django.db import migrations, models
