@@ -350,6 +350,7 @@ def section_b(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
         f"SELECT 1 through Django: {_cpu_text(floor_cpu)}; the latency under load follows"
         f" this cost ({n} processes share {os.cpu_count()} cores)",
     )
+    _refusal_statement(pool, opts, report, progress, key, floors["django"], p99)
     report.row(
         "b",
         "over-admission after refusal storm",
@@ -459,6 +460,38 @@ def _round_trip_floors(
             f"{len(latencies) / opts.hot_seconds:,.0f} /s; the cheapest round trip, same processes",
         )
     return p99s, cpu
+
+
+def _refusal_statement(
+    pool: WorkerPool, opts: Options, report: Report, progress: Progress, key: str, floor_p99: float, refusal_p99: float
+) -> None:
+    """The same processes send the statement a refusal of the full ``key`` sends
+    (``durable_full_key``) through Django's cursor, without durable's Python around it:
+    how much of the refusal's p99 over the ``SELECT 1`` floor is the database's
+    statement, and how much durable's code (an extra row, no target)."""
+    n = opts.starters
+    progress(f"(b) the refusal's statement alone: {n} processes send it through django for {opts.hot_seconds:g} s")
+    message = {
+        "cmd": "roundtrip",
+        "via": "statement",
+        "seconds": opts.hot_seconds,
+        "size": n,
+        "key": key,
+        "limit": opts.hot_limit,
+    }
+    replies = pool.call(range(n), message, timeout=opts.hot_seconds + 300)
+    latencies = sorted(us for rep in replies for us in rep["latency_us"])
+    p99 = _report.percentile(latencies, 99)
+    shares = "-"
+    if floor_p99 > 0 and p99 > 0:
+        shares = f"{_report.ratio(p99 / floor_p99)} the Django SELECT 1 p99, the refusal {_report.ratio(refusal_p99 / p99)} this"
+    report.row(
+        "b",
+        f"extra: the refusal's statement alone p50 / p99, {n} procs, django",
+        f"{_report.ms(_report.percentile(latencies, 50))} / {_report.ms(p99)}",
+        f"{len(latencies) / opts.hot_seconds:,.0f} /s; durable_full_key through Django's cursor, without durable's Python:"
+        f" p99 {shares}; CPU per call, client / database: {_cpu_text(_cpu_per_call(replies, len(latencies)))}; no target",
+    )
 
 
 def _cpu_per_call(replies: list[dict[str, Any]], calls: int) -> dict[str, float | None]:

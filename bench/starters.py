@@ -307,22 +307,32 @@ class RoundTrip:
 
     ``via="django"`` sends it through Django's ``connection.cursor()``, the way
     durable's own statement goes; ``via="psycopg"`` on a bare psycopg connection.
+    ``via="statement"`` sends instead the statement a refusal of ``key`` at ``limit``
+    sends (``durable_full_key``, ``_refuse_if_full``'s), through Django's cursor,
+    without durable's Python around it: the part of a refusal that is the database's.
     """
 
-    def __init__(self, via: str, conninfo: str) -> None:
-        if via not in ("django", "psycopg"):
+    def __init__(self, via: str, conninfo: str, key: str = "", limit: int = 0) -> None:
+        if via not in ("django", "psycopg", "statement"):
             raise ValueError(f"unknown round trip {via!r}")
         self.conn = psycopg.connect(conninfo, autocommit=True) if via == "psycopg" else None
+        self.sql, self.params = "SELECT 1", None
+        if via == "statement":
+            from durable.concurrency import DEFAULT_CONCURRENCY_STATUSES, Quota, Strategy
+            from durable.stores.admitting import FULL_KEY_SQL, full_key_params
 
-    def __call__(self) -> None:
+            quota = Quota(key, limit, tuple(DEFAULT_CONCURRENCY_STATUSES), Strategy.REJECT, None, None)
+            self.sql, self.params = FULL_KEY_SQL, full_key_params(quota, None)
+
+    def __call__(self) -> Any:
+        """Send the statement; its row."""
         if self.conn is not None:
-            self.conn.execute("SELECT 1").fetchone()
-            return
+            return self.conn.execute("SELECT 1").fetchone()
         from django.db import connection
 
         with connection.cursor() as cursor:
-            cursor.execute("SELECT 1")
-            cursor.fetchone()
+            cursor.execute(self.sql, self.params)
+            return cursor.fetchone()
 
     def backend_pid(self) -> int:
         """The process id of the PostgreSQL backend serving this round trip's connection."""

@@ -22,6 +22,8 @@ Commands (``cmd``):
   Django's ``connection.cursor()``, as durable does; "psycopg": a bare psycopg
   connection); reply every call's latency (microseconds) and the CPU time, as
   ``storm``. The floor under any refusal, measured with the same processes.
+  ``via`` "statement": the statement a refusal of ``key`` at ``limit`` sends, through
+  Django's cursor (``starters.RoundTrip``), which must refuse.
 - ``latency``: ``starts`` starts on each alias, alternating between the aliases
   start by start; reply every start's latency (microseconds).
 - ``warm``: one start of the no-op workflow on each of ``keys`` (creates their lock rows).
@@ -127,7 +129,13 @@ class _Worker:
         if cmd == "storm":
             return self.storm(message["key"], float(message["seconds"]), int(message["size"]), int(message.get("input_bytes", 0)))
         if cmd == "roundtrip":
-            return self.roundtrip(message["via"], float(message["seconds"]), int(message["size"]))
+            return self.roundtrip(
+                message["via"],
+                float(message["seconds"]),
+                int(message["size"]),
+                message.get("key", ""),
+                int(message.get("limit", 0)),
+            )
         if cmd == "latency":
             return self.latency(message["aliases"], int(message["starts"]), int(message["nkeys"]))
         if cmd == "warm":
@@ -233,10 +241,15 @@ class _Worker:
             (admitted if ok else refused).append(us)
         return {"admitted_us": admitted, "refused_us": refused, "cpu": meter.used()}
 
-    def roundtrip(self, via: str, seconds: float, size: int) -> Reply:
-        probe = self._starter(f"roundtrip@{via}")
+    def roundtrip(self, via: str, seconds: float, size: int, key: str = "", limit: int = 0) -> Reply:
+        kind = f"roundtrip@{via}"
+        if via == "statement":
+            self.starters[kind] = starters.RoundTrip(via, self.config["conninfo"], key=key, limit=limit)
+        probe = self._starter(kind)
         for _ in range(50):
             probe()
+        if via == "statement" and probe() is None:
+            raise RuntimeError(f"durable_full_key does not refuse a start of {key!r} at limit {limit}: the key is not full")
         meter = _CpuMeter(probe.backend_pid)
         latencies = [us for _, us in _timed(probe, seconds, self.barriers[size])]
         return {"latency_us": latencies, "cpu": meter.used()}

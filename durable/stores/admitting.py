@@ -213,9 +213,8 @@ class Admission(orm.ORMStore):
         """Raise ``ConcurrencyLimitError`` when the committed count of ``quota``'s key fills it
         and its row records these limits already (``durable_full_key``: one plain query, without
         the quotas' JSON nor the run's input); return when it may have room, for ``durable_admit``."""
-        params: list[Any] = [quota.key, quota.limit, json.dumps(list(quota.count_statuses)), count_namespace]
         with connection.cursor() as cursor:
-            cursor.execute("SELECT * FROM durable_full_key(%s, %s, %s::jsonb, %s)", params)
+            cursor.execute(FULL_KEY_SQL, full_key_params(quota, count_namespace))
             row = cursor.fetchone()
         if row is not None:
             active, limit, durations, oldest_age = row
@@ -480,6 +479,15 @@ _LOCK_NOT_AVAILABLE = "55P03"
 _POOL_BACKOFF = (0.02, 0.05, 0.1)
 #: durable_admit's DETAIL of a busy pool inside a transaction that held no lock before the call.
 _NOTHING_HELD = "durable: nothing held"
+
+
+#: The statement of ``_refuse_if_full`` (and of the benchmark's row that measures it alone).
+FULL_KEY_SQL = "SELECT * FROM durable_full_key(%s, %s, %s::jsonb, %s)"
+
+
+def full_key_params(quota: Quota, count_namespace: str | None) -> list[Any]:
+    """``FULL_KEY_SQL``'s parameters for a start of ``quota``'s key."""
+    return [quota.key, quota.limit, json.dumps(list(quota.count_statuses)), count_namespace]
 
 
 def _refusal(

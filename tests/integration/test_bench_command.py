@@ -67,6 +67,10 @@ def test_smallest_run_prints_targets_and_over_admission_and_drops_its_database()
     chat = row(lines, "b", "extra: refusal latency p50 / p99, 1 starter, 8 KB input", r"[\d.]+ ms / [\d.]+ ms")
     cpu = r"CPU per refusal, client / database: \d+ us / (\d+ us|-), against \d+ us / (\d+ us|-)"
     assert chat and re.search(cpu, chat.string)
+    # The refusal's statement alone (the processes' worker checks that it refuses): its share of the ratio.
+    alone = row(lines, "b", "extra: the refusal's statement alone p50 / p99, 2 procs, django", r"[\d.]+ ms / [\d.]+ ms")
+    shares = r"p99 \d+\.\d\dx the Django SELECT 1 p99, the refusal \d+\.\d\dx this; CPU per call, client / database: \d+ us"
+    assert alone and re.search(shares, alone.string)
     [refusal] = [line for line in targets(lines) if "refusal latency p99" in line]
     # A ratio to the floor measured in the same run, not an absolute latency.
     assert re.search(r"refusal latency p99 / Django SELECT 1 p99 \(2 starters\) <= 2\.00x\s+measured \d+\.\d\dx", refusal)
