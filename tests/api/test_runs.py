@@ -295,14 +295,17 @@ def _finished_history(n: int, running: int) -> None:
 
     at = timezone.now()
     models.WorkflowRun.objects.bulk_create(
-        models.WorkflowRun(
-            run_id=f"h{i}",
-            workflow="test.add" if i < running else "test.other",
-            version="1",
-            status="running" if i < running else "completed",
-            created_at=at + timedelta(milliseconds=i),
-        )
-        for i in range(n)
+        (
+            models.WorkflowRun(
+                run_id=f"h{i}",
+                workflow="test.add" if i < running else "test.other",
+                version="1",
+                status="running" if i < running else "completed",
+                created_at=at + timedelta(milliseconds=i),
+            )
+            for i in range(n)
+        ),
+        batch_size=1000,  # a statement binds at most 65,535 parameters (Django's server_side_binding)
     )
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE durable_workflowrun")

@@ -177,7 +177,9 @@ def test_migration_0031_keeps_only_the_children_in_the_parent_index_and_its_reve
 def test_the_children_of_a_run_are_read_on_the_partial_parent_index() -> None:
     # 1,500 top-level runs and one parent with three children, analyzed: a cancel's
     # children, a purge's unfinished children and the children a deleted parent sets free.
-    WorkflowRun.objects.bulk_create(WorkflowRun(run_id=f"top-{n}", workflow="w", version="1") for n in range(1500))
+    WorkflowRun.objects.bulk_create(
+        (WorkflowRun(run_id=f"top-{n}", workflow="w", version="1") for n in range(1500)), batch_size=1000
+    )
     parent = WorkflowRun.objects.create(run_id="parent", workflow="w", version="1", status=RunStatus.RUNNING)
     for n in range(3):
         WorkflowRun.objects.create(run_id=f"child-{n}", workflow="w", version="1", parent=parent)

@@ -122,8 +122,9 @@ def test_the_functions_count_reads_the_slot_index_in_a_generic_plan(
             "PREPARE durable_count_probe(text[], text[], text) AS SELECT count(*) FROM durable_counted_tags($1, $2, $3)"
         )
         try:
+            # Literals: EXECUTE takes no bound parameters (Django's server_side_binding sends them so).
             cursor.execute(
-                "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE durable_count_probe(%s, %s, NULL)", [["concurrency:tenant:a"], statuses]
+                f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE durable_count_probe('{{concurrency:tenant:a}}', '{statuses}', NULL)"
             )
             [[explained]] = cursor.fetchall()
         finally:
