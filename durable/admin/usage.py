@@ -11,10 +11,13 @@ flight): those follow, in key order, a page at a time.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from django.db import connections, router
 from django.db.models import Count, Exists, OuterRef, Q, QuerySet, Value
+from django.db.models.expressions import RawSQL
 from django.db.models.functions import Concat
 
 import durable
@@ -119,10 +122,22 @@ def locks_of(queryset: QuerySet[models.ConcurrencyLock], keys: Iterable[str]) ->
 def keys_where(usage: Mapping[str, InFlight], test: str) -> Q:
     """A filter on the lock rows: ``full`` (no free slot), ``queued`` (runs waiting), or a strategy value."""
     if test == "queued":
-        return Q(key__in=[k for k, e in usage.items() if e.queued])
+        return _key_among([k for k, e in usage.items() if e.queued])
     if test == "full":
         # An idle key is full only with a limit of 0 or less (it refuses every start).
         candidates = locks_of(models.ConcurrencyLock.objects.only("key", "limit", "limit_override", "count_statuses"), usage)
         full = [lock.key for lock in candidates if is_full(lock, usage[lock.key])]
-        return Q(key__in=full) | Q(limit_override__lte=0) | Q(limit_override__isnull=True, limit__lte=0)
-    return Q(key__in=[k for k, e in usage.items() if test in strategies_of(e)])
+        return _key_among(full) | Q(limit_override__lte=0) | Q(limit_override__isnull=True, limit__lte=0)
+    return _key_among([k for k, e in usage.items() if test in strategies_of(e)])
+
+
+def _key_among(keys: list[str]) -> Q:
+    """``key IN (keys)`` with the keys in one parameter: there may be more keys in flight
+    than a statement takes parameters (65,535 when Django binds them on PostgreSQL's
+    server, ``OPTIONS["server_side_binding"]``), and one parameter keeps the statement short."""
+    vendor = connections[router.db_for_read(models.ConcurrencyLock)].vendor
+    if vendor == "postgresql":
+        return Q(key__in=RawSQL("SELECT unnest(%s::text[])", (keys,)))
+    if vendor == "sqlite":
+        return Q(key__in=RawSQL("SELECT value FROM json_each(%s)", (json.dumps(keys),)))
+    return Q(key__in=keys)

@@ -153,3 +153,31 @@ def test_quota_pages_stay_read_only(admin_client: Client, keys: Any) -> None:
     response = admin_client.get(quota_url("tenant:acme"))
     assert b'name="_save"' not in response.content
     assert b"Show counts" not in admin_client.get(QUOTAS_URL).content  # no facet counts over every key
+
+
+@pytest.fixture
+def bound_on_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On PostgreSQL, the default connection binds parameters on the server (as a project with
+    OPTIONS server_side_binding does), where a statement takes at most 65,535 parameters."""
+    if connection.vendor == "postgresql":
+        connection.close()
+        options = {**connection.settings_dict.get("OPTIONS", {}), "server_side_binding": True}
+        monkeypatch.setitem(connection.settings_dict, "OPTIONS", options)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("test", ["queued", "full", "group_round_robin"])
+def test_a_filter_of_more_keys_in_flight_than_a_statement_binds(bound_on_the_server: None, test: str) -> None:
+    """The filters select among the keys in flight, which may be more than a statement's
+    parameters (65,535 bound on PostgreSQL's server; SQLite's limit is set when it is built,
+    32,766 by default): one parameter holds them."""
+    from durable.admin import usage
+
+    # 70,000 keys, each full (limit 1, one run in flight) with one run queued, of a GROUP_ROUND_ROBIN workflow.
+    keys = [f"tenant:k{i:05d}" for i in range(70_000)]
+    models.ConcurrencyLock.objects.bulk_create((models.ConcurrencyLock(key=k, limit=1) for k in keys), batch_size=5_000)
+    in_flight = {k: usage.InFlight({R: 1, Q: 1}, {("test.slot_holder", "1")}) for k in keys}
+    matching = models.ConcurrencyLock.objects.filter(usage.keys_where(in_flight, test))
+    assert matching.count() == 70_000
+    assert not models.ConcurrencyLock.objects.exclude(usage.keys_where(in_flight, test)).exists()
+    connection.close()  # the next test connects with the options put back
