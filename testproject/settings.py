@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from typing import Any
 
 import dj_database_url
 import django
@@ -71,11 +72,12 @@ _sqlite = {
     "OPTIONS": {"transaction_mode": "IMMEDIATE", "timeout": 30},
     "TEST": {"NAME": os.environ.get("SQLITE_TEST_PATH", str(BASE_DIR / "test-db.sqlite3"))},
 }
-DATABASES = {"default": dj_database_url.config(conn_max_age=0) if os.environ.get("DATABASE_URL") else _sqlite}
-if os.environ.get("DATABASE_SERVER_SIDE_BINDING") and DATABASES["default"]["ENGINE"].endswith("postgresql"):
+_default: dict[str, Any] = dict(dj_database_url.config(conn_max_age=0)) if os.environ.get("DATABASE_URL") else _sqlite
+DATABASES = {"default": _default}
+if os.environ.get("DATABASE_SERVER_SIDE_BINDING") and _default["ENGINE"].endswith("postgresql"):
     # Django's server-side parameter binding, with psycopg's prepared statements (a
     # statement sent 5 times is prepared): what a project without a transaction pooler may turn on.
-    DATABASES["default"].setdefault("OPTIONS", {}).update(server_side_binding=True, prepare_threshold=5)
+    _default["OPTIONS"] = {**_default.get("OPTIONS", {}), "server_side_binding": True, "prepare_threshold": 5}
 if os.environ.get("DURABLE_TEST_DB"):
     # Lets several test runs share one PostgreSQL server without sharing a database.
     DATABASES["default"]["TEST"] = {"NAME": os.environ["DURABLE_TEST_DB"]}
