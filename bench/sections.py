@@ -447,9 +447,7 @@ def _round_trip_floors(
     cpu: dict[str, float | None] = {}
     for via in ("django", "psycopg"):
         progress(f"(b) round-trip floor: {n} processes send SELECT 1 through {via} for {opts.hot_seconds:g} s")
-        message = {"cmd": "roundtrip", "via": via, "seconds": opts.hot_seconds, "size": n}
-        replies = pool.call(range(n), message, timeout=opts.hot_seconds + 300)
-        latencies = sorted(us for rep in replies for us in rep["latency_us"])
+        replies, latencies = _round_trips(pool, opts, via)
         p99s[via] = _report.percentile(latencies, 99)
         if via == "django":
             cpu = _cpu_per_call(replies, len(latencies))
@@ -462,6 +460,15 @@ def _round_trip_floors(
     return p99s, cpu
 
 
+def _round_trips(pool: WorkerPool, opts: Options, via: str, **probe: Any) -> tuple[list[dict[str, Any]], list[int]]:
+    """Every starter process sends ``via``'s statement (the worker's "roundtrip" command,
+    with ``probe``'s key and limit for "statement") for ``opts.hot_seconds``: the
+    replies and every call's latency (microseconds), sorted."""
+    message = {"cmd": "roundtrip", "via": via, "seconds": opts.hot_seconds, "size": opts.starters, **probe}
+    replies = pool.call(range(opts.starters), message, timeout=opts.hot_seconds + 300)
+    return replies, sorted(us for rep in replies for us in rep["latency_us"])
+
+
 def _refusal_statement(
     pool: WorkerPool, opts: Options, report: Report, progress: Progress, key: str, floor_p99: float, refusal_p99: float
 ) -> None:
@@ -471,16 +478,7 @@ def _refusal_statement(
     statement, and how much durable's code (an extra row, no target)."""
     n = opts.starters
     progress(f"(b) the refusal's statement alone: {n} processes send it through django for {opts.hot_seconds:g} s")
-    message = {
-        "cmd": "roundtrip",
-        "via": "statement",
-        "seconds": opts.hot_seconds,
-        "size": n,
-        "key": key,
-        "limit": opts.hot_limit,
-    }
-    replies = pool.call(range(n), message, timeout=opts.hot_seconds + 300)
-    latencies = sorted(us for rep in replies for us in rep["latency_us"])
+    replies, latencies = _round_trips(pool, opts, "statement", key=key, limit=opts.hot_limit)
     p99 = _report.percentile(latencies, 99)
     shares = "-"
     if floor_p99 > 0 and p99 > 0:

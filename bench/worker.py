@@ -242,10 +242,10 @@ class _Worker:
         return {"admitted_us": admitted, "refused_us": refused, "cpu": meter.used()}
 
     def roundtrip(self, via: str, seconds: float, size: int, key: str = "", limit: int = 0) -> Reply:
-        kind = f"roundtrip@{via}"
-        if via == "statement":
-            self.starters[kind] = starters.RoundTrip(via, self.config["conninfo"], key=key, limit=limit)
-        probe = self._starter(kind)
+        if via == "statement":  # its key and limit are this call's: not kept among the starters
+            probe = starters.RoundTrip(via, self.config["conninfo"], key=key, limit=limit)
+        else:
+            probe = self._starter(f"roundtrip@{via}")
         for _ in range(50):
             probe()
         if via == "statement" and probe() is None:
