@@ -145,7 +145,8 @@ def parser() -> argparse.ArgumentParser:
         "(f) dispatch to first step",
         "A warm Celery worker (threads pool, then prefork; each with a connection per task, then Django's pool) "
         "on Redis: from Wf.dispatch to its first step's body, against a bare Celery task that makes one committed "
-        "write, from apply_async to that write committed, interleaved; target: p50 <= 1.2x the bare task's.",
+        "write, from apply_async to that write committed, and the same task sent after a committed INSERT "
+        "(the floor of a start that commits before it sends), interleaved; target: p50 <= 1.2x the bare task's.",
     )
     f.add_argument("--first-steps", type=int, help="Samples of each kind per configuration (full 200, quick 15).")
     g = parser.add_argument_group(

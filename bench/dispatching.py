@@ -2,7 +2,10 @@
 
 Against a baseline measured in the same run, sample by sample interleaved: a
 bare Celery task that makes one committed database write, from ``apply_async``
-to its body. Both are sent by benchmark process 0 (its Celery app on the
+to its body; and a third kind, the floor of any start that commits its run
+before its message leaves (as durable's outbox does): the same bare task sent
+right after a committed INSERT on the sender's connection. All are sent by
+benchmark process 0 (its Celery app on the
 ``--broker``, durable's ``TASK_QUEUE`` set to the pool's queue) and run by one
 ``celery -A testproject worker`` consuming that queue, once per pool (threads,
 prefork) and database setting (Django's default settings, Django's pool), then
@@ -62,10 +65,11 @@ def section_f(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
         return
     with psycopg.connect(scratch.conninfo(scratch.main), autocommit=True) as conn:
         conn.execute(CREATE_PROBE_TABLE)
-    #: Per configuration: its label, whether it is an extra one (a row, no target), the latencies.
-    measured: list[tuple[str, bool, list[float], list[float]]] = []
-    #: Per configuration, how long the sender's call took (dispatch, apply_async).
-    calls: list[tuple[list[float], list[float]]] = []
+    #: Per configuration: its label, whether it is an extra one (a row, no target), the latencies
+    #: (dispatch, bare task, outbox task).
+    measured: list[tuple[str, bool, list[float], list[float], list[float]]] = []
+    #: Per configuration, how long the sender's call took (dispatch, apply_async, INSERT then apply_async).
+    calls: list[tuple[list[float], list[float], list[float]]] = []
     #: Per configuration, how long after the dispatch call returned the publisher had the broker's reply to its
     #: batch (the dispatches whose message went through its thread), and how many the caller wrote itself.
     hops: list[tuple[list[float], int]] = []
@@ -106,9 +110,10 @@ def section_f(pool: WorkerPool, opts: Options, report: Report, scratch: Scratch,
                 if "error" in reply:
                     worker.check()
                     raise WorkerError(f"(f) {label} failed:\n{reply['error']}\nthe worker's log:\n{worker.log_tail()}")
-            latency = reply["latency_us"]
-            measured.append((label, extra, sorted(latency["dispatch"]), sorted(latency["baseline"])))
-            calls.append((sorted(reply["call_us"]["dispatch"]), sorted(reply["call_us"]["baseline"])))
+            latency, call = reply["latency_us"], reply["call_us"]
+            dispatch, bare, outbox = (sorted(latency[kind]) for kind in ("dispatch", "baseline", "outbox"))
+            measured.append((label, extra, dispatch, bare, outbox))
+            calls.append((sorted(call["dispatch"]), sorted(call["baseline"]), sorted(call["outbox"])))
             hops.append((sorted(reply["hop_us"]), int(reply["direct"])))
     finally:
         try:
@@ -171,14 +176,16 @@ def _publish_hops(pool: WorkerPool, opts: Options, app: Any) -> dict[tuple[float
 def _report_f(
     report: Report,
     opts: Options,
-    measured: list[tuple[str, bool, list[float], list[float]]],
-    calls: list[tuple[list[float], list[float]]],
+    measured: list[tuple[str, bool, list[float], list[float], list[float]]],
+    calls: list[tuple[list[float], list[float], list[float]]],
     hops: list[tuple[list[float], int]],
 ) -> None:
     def p(values: list[float], q: float) -> str:
         return _report.ms(_report.percentile(values, q)) if values else "-"
 
-    for (label, _, dispatch, baseline), (dispatch_call, apply_call), (hop, direct) in zip(measured, calls, hops, strict=True):
+    for (label, _, dispatch, baseline, outbox), (dispatch_call, apply_call, outbox_call), (hop, direct) in zip(
+        measured, calls, hops, strict=True
+    ):
         through = (
             f"; through the publisher's thread: it read the broker's reply to its batch p50 {p(hop, 50)} after the call returned"
             if hop
@@ -197,9 +204,20 @@ def _report_f(
             f"{p(baseline, 50)} / {p(baseline, 99)}",
             f"the apply_async call itself p50 {p(apply_call, 50)}",
         )
-    for label, extra, dispatch, baseline in measured:
+        report.row(
+            "f",
+            f"outbox task -> its write committed p50 / p99, {label}",
+            f"{p(outbox, 50)} / {p(outbox, 99)}",
+            f"the bare task sent after a committed INSERT on the sender's connection; that call p50 {p(outbox_call, 50)}",
+        )
+    for label, extra, dispatch, baseline, outbox in measured:
         ratio = _report.percentile(dispatch, 50) / _report.percentile(baseline, 50)
         short = "" if len(dispatch) >= 100 else f"(only {len(dispatch)} samples: --quick or --first-steps)"
+        if not extra:
+            floor = _report.percentile(outbox, 50) / _report.percentile(baseline, 50)
+            over = _report.percentile(dispatch, 50) / _report.percentile(outbox, 50)
+            report.row("f", f"ratio outbox task / bare task p50, {label}", _report.ratio(floor), "extra: commit, then send")
+            report.row("f", f"ratio dispatch -> first step / outbox task p50, {label}", _report.ratio(over), "extra")
         if extra:  # a row, no target
             report.row("f", f"ratio dispatch -> first step / bare task p50, {label}", _report.ratio(ratio), "option")
             continue
@@ -221,7 +239,11 @@ def _report_f(
         "Django's default settings it connects first) and reads time.time() once that write is committed, from "
         "apply_async; a second statement then stores the reading for the benchmark, after the measured interval "
         "(durable's reading is stored by its journal write and finish, after it too). Both are read from the "
-        "worker's clock against the sender's time.time() on the same machine. One worker per configuration, "
+        "worker's clock against the sender's time.time() on the same machine. The outbox task (extra rows): the "
+        "bare task, sent right after one INSERT into a table of one index committed on the sender's connection "
+        "(autocommit), the least a start does that commits its run before the message leaves; its ratio to the "
+        "bare task is the floor of that design, and dispatch's ratio to it what durable adds over that floor. "
+        "One worker per configuration, "
         f"--concurrency=1, on the --broker. {databases}."
     )
     report.note(

@@ -32,8 +32,9 @@ Commands (``cmd``):
 - ``admit``: ``counts[i]`` starts (process ``i``) of ``kind`` (``grr``: the
   ``GROUP_ROUND_ROBIN`` workflow; ``reject``: the no-op workflow) round-robin
   over ``keys``; reply the statuses created, the elapsed time and the CPU time.
-- ``firststep``: ``warm`` + ``samples`` rounds, each a ``FirstStep.dispatch`` and
-  a ``probe_write.apply_async`` (in alternating order), each waited for until its
+- ``firststep``: ``warm`` + ``samples`` rounds, each a ``FirstStep.dispatch``, a
+  ``probe_write.apply_async`` and the same after a committed INSERT on the caller's
+  connection (the ``outbox`` kind), in rotating order, each waited for until its
   body has run in the Celery worker of (f); reply, per kind, the microseconds from
   the call to the body's start (``time.time()`` in both processes), and from the
   call to its return; with ``busy``, the process computes that many seconds after
@@ -65,6 +66,8 @@ from typing import Any
 from bench import starters
 
 Reply = dict[str, Any]
+#: What ``firststep`` sends in turn: durable's dispatch, the bare task, the bare task after a committed INSERT.
+FIRST_STEP_KINDS = ("dispatch", "baseline", "outbox")
 
 
 def serve(index: int, databases: str, barrier_sizes: list[int], barriers: list[Any], commands: Any, results: Any) -> None:
@@ -355,10 +358,12 @@ class _Worker:
         }
 
     def first_step(self, samples: int, warm: int, timeout: float, busy: float = 0.0, direct: bool = True) -> Reply:
-        """Dispatch to first step vs apply_async to a bare task's body, interleaved, one at a time;
-        also how long after each dispatch returned the publisher had the broker's reply to its batch,
-        and how many dispatches wrote their message on the caller's thread. ``busy``: seconds this
-        thread computes (holding the GIL) right after each call, before it waits for the body.
+        """Dispatch to first step vs apply_async to a bare task's body, and vs the same task sent
+        after a committed INSERT on this connection (the outbox kind: what any start that commits
+        its run before its message leaves does at least), interleaved, one at a time; also how long
+        after each dispatch returned the publisher had the broker's reply to its batch, and how many
+        dispatches wrote their message on the caller's thread. ``busy``: seconds this thread
+        computes (holding the GIL) right after each call, before it waits for the body.
         ``direct``: False sends every message through the publisher's thread."""
         from bench.firststep import PROBE_TABLE
         from durable.conf import settings as durable_settings
@@ -372,8 +377,9 @@ class _Worker:
             "WHERE run_id = %s AND status = 'completed'",
             "baseline": f"SELECT started FROM {PROBE_TABLE} WHERE token = %s",
         }
-        out: dict[str, list[int]] = {"dispatch": [], "baseline": []}
-        calls: dict[str, list[int]] = {"dispatch": [], "baseline": []}
+        body_of["outbox"] = body_of["baseline"]
+        out: dict[str, list[int]] = {kind: [] for kind in FIRST_STEP_KINDS}
+        calls: dict[str, list[int]] = {kind: [] for kind in FIRST_STEP_KINDS}
         publishing.DIRECT_WRITES = direct
         try:
             with _published_at() as (published, written):
@@ -398,18 +404,24 @@ class _Worker:
 
         from django.db import connection
 
-        from bench.firststep import FirstStep, probe_write
+        from bench.firststep import PROBE_TABLE, FirstStep, probe_write
         from durable.conf import settings as durable_settings
 
         hops: list[int] = []
         direct = 0
+        n = len(FIRST_STEP_KINDS)
         for i in range(warm + samples):
-            for kind in ("dispatch", "baseline") if i % 2 == 0 else ("baseline", "dispatch"):
+            # Each kind goes first, second and third in turn.
+            for kind in FIRST_STEP_KINDS[i % n :] + FIRST_STEP_KINDS[: i % n]:
                 t0 = time.time()
                 if kind == "dispatch":
                     token = FirstStep.dispatch({"key": f"f-k{i % 10}"}).run_id
                 else:
                     token = uuid.uuid4().hex
+                    if kind == "outbox":
+                        # The row a start commits before its message may leave: one INSERT, autocommit.
+                        with connection.cursor() as cursor:
+                            cursor.execute(f"INSERT INTO {PROBE_TABLE} (token) VALUES (%s)", [f"{token}-outbox"])
                     # To the queue durable sends runs to (the worker of (f) consumes it).
                     probe_write.apply_async(args=(token,), queue=durable_settings.TASK_QUEUE)
                 returned = time.time()

@@ -224,6 +224,13 @@ def test_dispatch_to_first_step_section_runs_workers_and_prints_latencies_agains
         # The caller wrote each measured message itself (the first two, warming up, taught the template).
         assert found.string.endswith("message written by the caller for 3 of 3"), found.string
         assert row(lines, "f", f"bare task -> its write committed p50 / p99, {label}", r"[\d.]+ ms / [\d.]+ ms")
+        # The floor of a start that commits before it sends: the bare task after a committed INSERT.
+        outbox = row(lines, "f", f"outbox task -> its write committed p50 / p99, {label}", r"[\d.]+ ms / [\d.]+ ms")
+        assert outbox
+        assert re.search(r"after a committed INSERT on the sender's connection; that call p50 [\d.]+ ms$", outbox.string)
+    for label in configurations:  # what the outbox floor leaves, for the configurations with a target
+        assert row(lines, "f", f"ratio outbox task / bare task p50, {label}", r"[\d.]+x")
+        assert row(lines, "f", f"ratio dispatch -> first step / outbox task p50, {label}", r"[\d.]+x")
     for label in [f"threads, pooled{threaded}", f"threads, pooled{busy}{threaded}"]:
         found = row(lines, "f", f"dispatch -> first step p50 / p99, {label}", r"[\d.]+ ms / [\d.]+ ms")
         assert found
