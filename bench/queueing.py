@@ -475,7 +475,8 @@ def _statement_counts(report: Report) -> dict[str, int]:
         "e",
         "SQL statements: REJECT start / queued start / hand-off / one-step run executed",
         f"{len(rejected)} / {len(queued)} / {len(handed)} / {len(executed)}",
-        "BEGIN..COMMIT included; queued start: durable_admit_queued + the promote on commit (targets <= 3); "
+        "BEGIN..COMMIT included; queued start: durable_admit_queued + the promote on commit, one call (a statement "
+        "list, '...; COMMIT; ...') on Django's default client-side binding (targets <= 3); "
         "hand-off: a running run's finish + Executor.released's promote on commit (target <= 3); one-step run: "
         "Engine.execute of a pending run with a REJECT quota key (claim + journal read, step write, finish; no promote "
         "follows the finish, since no run of the key is queued)",

@@ -258,10 +258,7 @@ class Promoter:
         store = self.scope.store
         records = store.promote(keys, run_id=run_id, count_namespace=self.scope.namespace)
         if records is not None:
-            for record in records:
-                self.scope.send(record)
-                logger.debug("Handed a slot to queued run %s.", record.run_id)
-            return [record.run_id for record in records]
+            return self.send(records)
         if run_id is not None:
             keys = [*keys, *store.run_keys(run_id)]
         started: list[str] = []
@@ -274,6 +271,13 @@ class Promoter:
                 if not room_left:
                     break
         return started
+
+    def send(self, records: Sequence[RunRecord]) -> list[str]:
+        """Send the runs a promote made pending (handed a slot); their run ids."""
+        for record in records:
+            self.scope.send(record)
+            logger.debug("Handed a slot to queued run %s.", record.run_id)
+        return [record.run_id for record in records]
 
     def _hand_off(self, key: str) -> tuple[str | None, bool]:
         """Start the next queued run of ``key`` in round-robin order of its groups.

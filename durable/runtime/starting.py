@@ -24,7 +24,7 @@ from durable.runtime.execution import send_run_finished
 from durable.runtime.handles import RunHandle
 from durable.runtime.registry import Definition
 from durable.status import RunStatus
-from durable.stores.base import RunExists, RunRecord, group_keys
+from durable.stores.base import Promotion, RunExists, RunRecord, group_keys
 from durable.util import check_json
 
 if TYPE_CHECKING:
@@ -175,10 +175,12 @@ class Starting:
         given = run_id is not None
         strategies = {q.strategy for q in quotas}
         superseded: list[RunRecord] = []
+        promotion: Promotion | None = None  # the promote the store made after a queued start's commit
         try:
             if strategies <= {_concurrency.Strategy.REJECT}:
                 admitted = self.store.admit(record, quotas, count_namespace=self.read_namespace, run_id_given=given)
             elif strategies <= _ONE_CALL_STRATEGIES:
+                promotion = Promotion([q.key for q in quotas], self.read_namespace)
                 admitted = self.store.admit_queued(
                     record,
                     quotas,
@@ -186,6 +188,7 @@ class Starting:
                     run_id_given=given,
                     ancestors=ancestors,
                     superseded=superseded,
+                    promotion=promotion,
                 )
             else:
                 admitted = False
@@ -205,7 +208,9 @@ class Starting:
             self._created(record)
         if record.status == RunStatus.PENDING:
             self.dispatch.send(cast("Engine", self), record)
-        elif record.status == RunStatus.QUEUED:
+        if promotion is not None and promotion.started:
+            self.promoter.send(promotion.started)
+        if record.status == RunStatus.QUEUED and (promotion is None or not promotion.done):
             # A slot may have freed between the count and now: hand it on.
             self.store.on_commit(lambda: self.promoter.promote([q.key for q in quotas]))
         record.tags = record.tags or tags  # the admission's, when the run borrowed from a pool

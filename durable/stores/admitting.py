@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -17,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
-from django.db import IntegrityError, OperationalError, transaction
+from django.db import DatabaseError, IntegrityError, OperationalError, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Min, Q
 from django.utils import timezone
@@ -26,7 +28,9 @@ from durable import conf, exceptions
 from durable.concurrency import BORROWED_PREFIX, TAG_PREFIX, Quota, Strategy, replaced_error
 from durable.status import RunStatus
 from durable.stores import orm
-from durable.stores.base import LimitChangeRecord, RunExists, RunRecord, estimate, group_keys
+from durable.stores.base import LimitChangeRecord, Promotion, RunExists, RunRecord, estimate, group_keys
+
+logger = logging.getLogger(__name__)
 
 
 class Admission(orm.ORMStore):
@@ -315,6 +319,7 @@ class Admission(orm.ORMStore):
         run_id_given: bool = False,
         ancestors: Sequence[RunRecord] = (),
         superseded: list[RunRecord] | None = None,
+        promotion: Promotion | None = None,
     ) -> bool:
         """The admission of a start whose quotas are REJECT and/or the queueing
         strategies in one round trip, on PostgreSQL (the function
@@ -322,7 +327,16 @@ class Admission(orm.ORMStore):
         the run ``pending``, ``queued`` or ``cancelled`` (``record`` is updated) and
         cancels the queued runs it replaces (appended to ``superseded``). False when
         this database has no such path. Raises ``ConcurrencyLimitError``
-        (``ConcurrencyQueueFullError``) or ``RunExists``."""
+        (``ConcurrencyQueueFullError``) or ``RunExists``.
+
+        ``promotion``: a start of its own (no transaction of the caller's) whose
+        quotas are REJECT and GROUP_ROUND_ROBIN, without a run id of the caller's,
+        sends the promote its run needs if queued in the same round trip, after its
+        commit: ``<durable_admit_queued>; COMMIT; <durable_promote if the run is
+        queued>``, one statement list, where the COMMIT ends the start's transaction
+        and the promote runs in one of its own, as it would on commit. Only with
+        psycopg's client-side binding (Django's default): a connection that binds on
+        the server sends one statement per call, and the promote follows on commit."""
         connection = self._postgres()
         if connection is None:
             return False
@@ -341,16 +355,35 @@ class Admission(orm.ORMStore):
             }
             for q in quotas
         ]
+        sql = "SELECT * FROM durable_admit_queued(%s::jsonb, %s, %s, %s, %s, %s, %s::jsonb, %s, %s, %s, %s::jsonb)"
+        params = [
+            json.dumps(payload),
+            *_start_params(record, count_namespace, run_id_given),
+            json.dumps([{"run_id": a.run_id, "status": str(a.status)} for a in ancestors]),
+        ]
         with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT * FROM durable_admit_queued(%s::jsonb, %s, %s, %s, %s, %s, %s::jsonb, %s, %s, %s, %s::jsonb)",
-                [
-                    json.dumps(payload),
-                    *_start_params(record, count_namespace, run_id_given),
-                    json.dumps([{"run_id": a.run_id, "status": str(a.status)} for a in ancestors]),
-                ],
-            )
+            if not (
+                promotion is not None
+                and not run_id_given
+                and {q.strategy for q in quotas} <= _PROMOTED_AFTER_COMMIT
+                and _lists_in_one_call(connection, cursor)
+            ):
+                promotion = None
+            if promotion is not None:
+                sql = f"{sql}; COMMIT; {_PROMOTE_IF_QUEUED}"
+                params += [json.dumps(promotion.keys), promotion.namespace, timezone.now(), record.run_id]
+            try:
+                cursor.execute(sql, params)
+            except DatabaseError:
+                if promotion is None or not self._created_queued(record):
+                    raise
+                # The start committed and the promote after it failed: the engine promotes again.
+                logger.warning("The promote after queued run %s's start failed; it is made again.", record.run_id, exc_info=True)
+                return True
             row = cursor.fetchone()
+            if promotion is not None and cursor.nextset() and cursor.nextset():  # the COMMIT's, then the promote's
+                answer = cursor.fetchone()
+                _promoted(promotion, orm.decoded(answer[0]) if answer is not None else None)
         outcome, status, key, limit, active, queued, max_queued, reason, holder, durations, oldest_age = row[:11]
         run_error, finished_at, cancelled = row[11:]
         if outcome == "created":
@@ -386,6 +419,18 @@ class Admission(orm.ORMStore):
             hint=hint,
             retry_after=seconds,
         )
+
+    def _created_queued(self, record: RunRecord) -> bool:
+        """After ``admit_queued``'s statement list failed: whether its start committed before
+        the failure (its run exists), ``record``'s status then set from the run."""
+        try:
+            status = self._runs().filter(run_id=record.run_id).values_list("status", flat=True).first()
+        except DatabaseError:
+            return False  # the connection is lost: the start's outcome is not known
+        if status is None:
+            return False
+        record.status = RunStatus(status)
+        return True
 
     @orm.kept_connection
     def run_exists(self, run_id: str) -> bool:
@@ -479,6 +524,40 @@ _LOCK_NOT_AVAILABLE = "55P03"
 _POOL_BACKOFF = (0.02, 0.05, 0.1)
 #: durable_admit's DETAIL of a busy pool inside a transaction that held no lock before the call.
 _NOTHING_HELD = "durable: nothing held"
+
+
+#: The strategies whose ``admit_queued`` may send the promote a queued run needs in its own
+#: round trip: if that promote fails, the start is read back whole from its run (a strategy
+#: that cancels queued runs would lose which; a run id of the caller's, whose run it is).
+_PROMOTED_AFTER_COMMIT = frozenset({Strategy.REJECT, Strategy.GROUP_ROUND_ROBIN})
+#: ``durable_promote`` of a queued start's keys, as ``Promoter.promote`` calls it on the start's
+#: commit (keys, namespace, now; async commit: it is a transaction of its own), if its run (the
+#: last parameter) is still queued: after the start's ``COMMIT`` in the same statement list.
+_PROMOTE_IF_QUEUED = (
+    "SELECT durable_promote(%s::jsonb, NULL, %s, NULL, %s, true) FROM durable_workflowrun WHERE run_id = %s AND status = 'queued'"
+)
+
+
+def _lists_in_one_call(connection: BaseDatabaseWrapper, cursor: Any) -> bool:
+    """Whether ``cursor`` sends a list of statements in one call, each ending its transaction
+    where the list says: psycopg 3's client-side binding (Django's default) on a connection
+    in autocommit, outside any transaction of the caller's."""
+    psycopg = sys.modules.get("psycopg")
+    return (
+        psycopg is not None
+        and isinstance(getattr(cursor, "cursor", None), psycopg.ClientCursor)
+        and connection.get_autocommit()
+        and not connection.in_atomic_block
+    )
+
+
+def _promoted(promotion: Promotion, answer: dict[str, Any] | None) -> None:
+    """Record ``durable_promote``'s answer (None: the run was no longer queued, nothing to do) on
+    ``promotion``: the runs it made pending, and whether it is done (no lock out of key order
+    was busy; else ``Promoter.promote`` makes it again, on the start's commit)."""
+    if answer is not None:
+        promotion.started.extend(orm.run_record(row) for row in answer["started"])
+    promotion.done = answer is None or answer["retry"] is None
 
 
 #: The statement of ``_refuse_if_full`` (and of the benchmark's row that measures it alone).

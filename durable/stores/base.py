@@ -96,6 +96,20 @@ class RunRecord:
     fenced: bool = False
 
 
+@dataclass
+class Promotion:
+    """The promote a queued start needs once it has committed (a slot may have freed
+    between its count and its commit), which a store's ``admit_queued`` may make in the
+    start's own round trip: the keys and namespace ``admission.Promoter`` would promote
+    in. The store sets ``done`` when it promoted them all, and appends the runs it made
+    pending to ``started``, for the engine to send."""
+
+    keys: list[str]
+    namespace: str | None
+    done: bool = False
+    started: list[RunRecord] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class LimitChangeRecord:
     """One change of a key's limit override (``BaseStore.set_limit_override``):
@@ -212,6 +226,7 @@ class BaseStore:
         run_id_given: bool = False,
         ancestors: Sequence[RunRecord] = (),
         superseded: list[RunRecord] | None = None,
+        promotion: Promotion | None = None,
     ) -> bool:
         """The admission of a start whose quotas are REJECT and/or the queueing
         strategies (GROUP_ROUND_ROBIN, CANCEL_QUEUED_EXCEPT_NEWEST / _OLDEST) in
@@ -222,7 +237,9 @@ class BaseStore:
         (with ``concurrency.replaced_error``) and append them, as cancelled, to
         ``superseded`` for the engine to finish their cancel. False when this store
         has no such path (the engine takes its generic one). Raises as ``admit``,
-        and ``ConcurrencyQueueFullError``. Default: False."""
+        and ``ConcurrencyQueueFullError``. ``promotion``: the promote a run created
+        queued needs after the commit, which the store may make too (see
+        ``Promotion``). Default: False."""
         return False
 
     def run_exists(self, run_id: str) -> bool:

@@ -14,7 +14,7 @@ from django.test import TestCase
 from django.utils import timezone
 
 from durable import Concurrency, Engine, RunStatus, Strategy
-from durable.models import RunTag, StepSlot
+from durable.models import RunTag, StepSlot, WorkflowRun
 from durable.runtime import Registry
 from durable.stores import RunRecord, StepEntry
 from tests.queries import one_step_run_statements, one_step_workflow, statements
@@ -265,6 +265,86 @@ def test_a_queued_start_is_two_calls(grr_engine: Engine, django_assert_num_queri
     assert sql[0].startswith("SELECT * FROM durable_admit_queued(") and sql[1].startswith("SELECT durable_promote("), sql
     assert queued.status == RunStatus.QUEUED
     assert set(RunTag.objects.filter(run__run_id=queued.run_id).values_list("status", flat=True)) == {"queued"}
+
+
+def _binds_on_client() -> bool:
+    """Whether Django's connection binds parameters on the client (psycopg's ClientCursor,
+    Django's default; CI also runs these tests with server_side_binding)."""
+    with connection.cursor() as cursor:
+        return isinstance(cursor.cursor, psycopg.ClientCursor)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_queued_start_of_its_own_sends_its_promote_in_the_same_call(grr_engine: Engine, django_assert_num_queries) -> None:
+    """Outside any transaction, durable_admit_queued and the promote on its commit go as one
+    statement list ("...; COMMIT; ..."), on a connection that binds on the client."""
+    grr_engine.start("g", {"key": "k"})
+    one_call = _binds_on_client()
+    with django_assert_num_queries(1 if one_call else 2) as captured:
+        queued = grr_engine.start("g", {"key": "k"})
+    sql = [query["sql"] for query in captured.captured_queries]
+    assert sql[0].startswith("SELECT * FROM durable_admit_queued(")
+    if one_call:
+        assert "; COMMIT; SELECT durable_promote(" in sql[0], sql
+    else:
+        assert sql[1].startswith("SELECT durable_promote("), sql
+    assert queued.status == RunStatus.QUEUED
+    assert grr_engine.get_run(queued.run_id).status == RunStatus.QUEUED
+    assert set(RunTag.objects.filter(run__run_id=queued.run_id).values_list("status", flat=True)) == {"queued"}
+    assert not connection.in_atomic_block and connection.get_autocommit()  # the list left no transaction open
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW synchronous_commit")  # nor the promote's async commit on the session
+        assert cursor.fetchone()[0] == "on"
+
+
+def _strand(grr_engine: Engine) -> tuple[str, str]:
+    """A key (limit 1) with a free slot and a queued run: its running run ended without
+    the promote that would have handed the slot on. Returns (ended, stranded) run ids."""
+    first = grr_engine.start("g", {"key": "k"})
+    stranded = grr_engine.start("g", {"key": "k"})
+    assert stranded.status == RunStatus.QUEUED
+    assert grr_engine.store.transition(first.run_id, from_statuses=["pending"], to="completed")
+    return first.run_id, stranded.run_id
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_the_promote_in_a_queued_starts_call_hands_a_free_slot_on_and_its_run_is_sent(grr_engine: Engine) -> None:
+    _, stranded = _strand(grr_engine)
+    sent_before = len(grr_engine.sent)  # type: ignore[attr-defined]
+    # A start behind a queued run is queued too (fairness); its commit's promote hands the slot on.
+    queued = grr_engine.start("g", {"key": "k"})
+    assert queued.status == RunStatus.QUEUED
+    assert grr_engine.get_run(stranded).status == RunStatus.PENDING
+    assert grr_engine.get_run(queued.run_id).status == RunStatus.QUEUED
+    assert [run.run_id for run in grr_engine.sent[sent_before:]] == [stranded]  # type: ignore[attr-defined]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_promote_after_a_queued_starts_commit_keeps_the_start_and_promotes_again(
+    grr_engine: Engine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from durable.stores import admitting
+
+    if not _binds_on_client():
+        pytest.skip("a connection that binds on the server sends the promote in a call of its own")
+    _, stranded = _strand(grr_engine)
+    # The promote part fails (at run time, once the start has committed) when the run is queued.
+    failing = (
+        "SELECT 1 / 0 FROM durable_workflowrun WHERE %s::jsonb IS NOT NULL AND (%s::text IS NULL OR true)"
+        " AND %s::timestamptz IS NOT NULL AND run_id = %s AND status = 'queued'"
+    )
+    monkeypatch.setattr(admitting, "_PROMOTE_IF_QUEUED", failing)
+    with caplog.at_level("WARNING", logger="durable.stores.admitting"):
+        queued = grr_engine.start("g", {"key": "k"})
+    assert queued.status == RunStatus.QUEUED  # the start stands: it committed
+    assert "The promote after queued run" in caplog.text and "division by zero" in caplog.text
+    # The engine promoted again (on the commit, at once outside a transaction).
+    assert grr_engine.get_run(stranded).status == RunStatus.PENDING
+    assert stranded in [run.run_id for run in grr_engine.sent]  # type: ignore[attr-defined]
+    assert WorkflowRun.objects.filter(workflow="g").count() == 3  # one run per start, nothing twice
 
 
 @pytest.mark.postgres
