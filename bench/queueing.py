@@ -398,7 +398,8 @@ def _report_e(
         ratio,
         ratio >= 0.5,
         _report.ratio(ratio),
-        f"a queued start sends {statements['queued']} SQL statements, a REJECT start {statements['reject']}",
+        f"SQL statements (Django's execute calls) of a queued start {statements['queued']}, of a REJECT start "
+        f"{statements['reject']}",
     )
     if drains:
         rate = _report.median(handoff_rates)
