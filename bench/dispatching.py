@@ -213,14 +213,13 @@ def _report_f(
     for label, extra, dispatch, baseline, outbox in measured:
         ratio = _report.percentile(dispatch, 50) / _report.percentile(baseline, 50)
         short = "" if len(dispatch) >= 100 else f"(only {len(dispatch)} samples: --quick or --first-steps)"
-        if not extra:
-            floor = _report.percentile(outbox, 50) / _report.percentile(baseline, 50)
-            over = _report.percentile(dispatch, 50) / _report.percentile(outbox, 50)
-            report.row("f", f"ratio outbox task / bare task p50, {label}", _report.ratio(floor), "extra: commit, then send")
-            report.row("f", f"ratio dispatch -> first step / outbox task p50, {label}", _report.ratio(over), "extra")
         if extra:  # a row, no target
             report.row("f", f"ratio dispatch -> first step / bare task p50, {label}", _report.ratio(ratio), "option")
             continue
+        floor = _report.percentile(outbox, 50) / _report.percentile(baseline, 50)
+        over = _report.percentile(dispatch, 50) / _report.percentile(outbox, 50)
+        report.row("f", f"ratio outbox task / bare task p50, {label}", _report.ratio(floor), "extra: commit, then send")
+        report.row("f", f"ratio dispatch -> first step / outbox task p50, {label}", _report.ratio(over), "extra")
         report.target(
             "f",
             f"dispatch -> first step p50 / bare task p50, {label}",
