@@ -371,7 +371,7 @@ class Admission(orm.ORMStore):
                 promotion = None
             if promotion is not None:
                 sql = f"{sql}; COMMIT; {_PROMOTE_IF_QUEUED}"
-                params += [json.dumps(promotion.keys), promotion.namespace, timezone.now(), record.run_id]
+                params += [json.dumps(promotion.keys), None, promotion.namespace, None, timezone.now(), True, record.run_id]
             try:
                 cursor.execute(sql, params)
             except DatabaseError:
@@ -382,8 +382,7 @@ class Admission(orm.ORMStore):
                 return True
             row = cursor.fetchone()
             if promotion is not None and cursor.nextset() and cursor.nextset():  # the COMMIT's, then the promote's
-                answer = cursor.fetchone()
-                _promoted(promotion, orm.decoded(answer[0]) if answer is not None else None)
+                _promoted(promotion, cursor.fetchone())
         outcome, status, key, limit, active, queued, max_queued, reason, holder, durations, oldest_age = row[:11]
         run_error, finished_at, cancelled = row[11:]
         if outcome == "created":
@@ -530,12 +529,13 @@ _NOTHING_HELD = "durable: nothing held"
 #: round trip: if that promote fails, the start is read back whole from its run (a strategy
 #: that cancels queued runs would lose which; a run id of the caller's, whose run it is).
 _PROMOTED_AFTER_COMMIT = frozenset({Strategy.REJECT, Strategy.GROUP_ROUND_ROBIN})
-#: ``durable_promote`` of a queued start's keys, as ``Promoter.promote`` calls it on the start's
-#: commit (keys, namespace, now; async commit: it is a transaction of its own), if its run (the
-#: last parameter) is still queued: after the start's ``COMMIT`` in the same statement list.
-_PROMOTE_IF_QUEUED = (
-    "SELECT durable_promote(%s::jsonb, NULL, %s, NULL, %s, true) FROM durable_workflowrun WHERE run_id = %s AND status = 'queued'"
-)
+#: The call of ``durable_promote`` (keys, run id, namespace counted in, keys to lock first,
+#: now, whether to commit asynchronously): ``DjangoStore.promote``'s, and a queued start's.
+PROMOTE_SQL = "SELECT durable_promote(%s::jsonb, %s, %s, %s::jsonb, %s, %s)"
+#: The promote of a queued start's keys, as ``Promoter.promote`` makes it on the start's commit
+#: (async commit: a transaction of its own), if its run (the last parameter) is still queued:
+#: after the start's ``COMMIT`` in the same statement list.
+_PROMOTE_IF_QUEUED = f"{PROMOTE_SQL} FROM durable_workflowrun WHERE run_id = %s AND status = 'queued'"
 
 
 def _lists_in_one_call(connection: BaseDatabaseWrapper, cursor: Any) -> bool:
@@ -551,13 +551,23 @@ def _lists_in_one_call(connection: BaseDatabaseWrapper, cursor: Any) -> bool:
     )
 
 
-def _promoted(promotion: Promotion, answer: dict[str, Any] | None) -> None:
-    """Record ``durable_promote``'s answer (None: the run was no longer queued, nothing to do) on
-    ``promotion``: the runs it made pending, and whether it is done (no lock out of key order
-    was busy; else ``Promoter.promote`` makes it again, on the start's commit)."""
-    if answer is not None:
-        promotion.started.extend(orm.run_record(row) for row in answer["started"])
-    promotion.done = answer is None or answer["retry"] is None
+def promote_answer(value: Any) -> tuple[list[RunRecord], list[str] | None]:
+    """``durable_promote``'s answer: the runs it made pending, and the keys to lock first in
+    another call (None: done; a lock out of key order was busy otherwise)."""
+    answer = orm.decoded(value)
+    return [orm.run_record(row) for row in answer["started"]], answer["retry"]
+
+
+def _promoted(promotion: Promotion, row: tuple[Any, ...] | None) -> None:
+    """Record on ``promotion`` the answer of the promote after a queued start (``row``; None:
+    the run was no longer queued, nothing to do): the runs it made pending, and whether it is
+    done (else ``Promoter.promote`` makes it again, on the start's commit)."""
+    if row is None:
+        promotion.done = True
+        return
+    started, retry = promote_answer(row[0])
+    promotion.started.extend(started)
+    promotion.done = retry is None
 
 
 #: The statement of ``_refuse_if_full`` (and of the benchmark's row that measures it alone).

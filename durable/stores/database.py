@@ -147,7 +147,7 @@ class DjangoStore(admitting.Admission, lifecycle.Lifecycle):
         for _ in range(_PROMOTE_CALLS):
             with connection.cursor() as cursor:
                 cursor.execute(
-                    "SELECT durable_promote(%s::jsonb, %s, %s, %s::jsonb, %s, %s)",
+                    admitting.PROMOTE_SQL,
                     [
                         json.dumps(list(keys)),
                         run_id,
@@ -157,9 +157,8 @@ class DjangoStore(admitting.Admission, lifecycle.Lifecycle):
                         not connection.in_atomic_block,  # its own transaction: commit without waiting for the disk
                     ],
                 )
-                answer = orm.decoded(cursor.fetchone()[0])
-            started.extend(orm.run_record(row) for row in answer["started"])
-            lock_first = answer["retry"]
+                handed, lock_first = admitting.promote_answer(cursor.fetchone()[0])
+            started.extend(handed)
             if lock_first is None:
                 break
         return started

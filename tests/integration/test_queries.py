@@ -332,9 +332,10 @@ def test_a_failed_promote_after_a_queued_starts_commit_keeps_the_start_and_promo
         pytest.skip("a connection that binds on the server sends the promote in a call of its own")
     _, stranded = _strand(grr_engine)
     # The promote part fails (at run time, once the start has committed) when the run is queued.
+    # It takes durable_promote's six parameters, then the run id.
     failing = (
-        "SELECT 1 / 0 FROM durable_workflowrun WHERE %s::jsonb IS NOT NULL AND (%s::text IS NULL OR true)"
-        " AND %s::timestamptz IS NOT NULL AND run_id = %s AND status = 'queued'"
+        "SELECT 1 / 0 FROM (SELECT %s::jsonb, %s::text, %s::text, %s::jsonb, %s::timestamptz, %s::boolean) AS p,"
+        " durable_workflowrun WHERE run_id = %s AND status = 'queued'"
     )
     monkeypatch.setattr(admitting, "_PROMOTE_IF_QUEUED", failing)
     with caplog.at_level("WARNING", logger="durable.stores.admitting"):
